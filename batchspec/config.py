@@ -1,0 +1,76 @@
+"""EngineConfig: the one configuration object built by the Python API, the CLI and the
+Celery task alike. Validated and completed (derived values) in __post_init__."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+NGRAM = "ngram"
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    drafts: dict[str, str] = field(default_factory=dict)  # domain -> HF dir or "ngram"
+    num_speculative_tokens: int = 4
+    confidence_threshold: float = 0.0
+    device: str = "auto"              # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
+    seed: int = 0
+    # paged KV cache and batching
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float | None = None  # None: 2 GiB on CPU, 90% of free memory on GPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: str = "auto"   # auto | torch | flash
+    verify_backend: str = "auto"      # auto | cuda | cpu | torch
+    # speculation policy
+    fallback_window: int = 100
+    fallback_min_drafted: int = 50
+    min_acceptance: float = 0.4
+    max_spec_temperature: float | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a path to a Hugging Face model directory")
+        self.drafts = {str(k): str(v) for k, v in (self.drafts or {}).items()}
+        for domain, path in self.drafts.items():
+            if path != NGRAM and not os.path.isdir(path):
+                raise FileNotFoundError(
+                    f"draft for domain {domain!r}: {path!r} is not a directory "
+                    f"(give a Hugging Face model directory or 'ngram')")
+        if not os.path.isdir(self.model):
+            raise FileNotFoundError(
+                f"model {self.model!r} is not a directory: give a Hugging Face model "
+                f"directory with config.json and *.safetensors")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise ValueError("confidence_threshold must be in [0, 1)")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "flash"):
+            raise ValueError("attention_backend must be auto, torch or flash")
+        if self.verify_backend not in ("auto", "cuda", "cpu", "torch"):
+            raise ValueError("verify_backend must be auto, cuda, cpu or torch")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError("min_acceptance must be in [0, 1]")
+        if self.fallback_window < 1 or self.fallback_min_drafted < 1:
+            raise ValueError("fallback_window and fallback_min_drafted must be >= 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.device == "auto":
+            import torch
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.drafts) and self.num_speculative_tokens > 0

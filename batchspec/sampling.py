@@ -1,0 +1,35 @@
+"""Sampling parameters of one request (vLLM's field names and defaults)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0      # 0 means greedy
+    top_p: float = 1.0            # nucleus mass kept, (0, 1]
+    top_k: int = 0                # 0 or -1: off
+    max_tokens: int = 16
+    seed: int | None = None       # None: derived from the LLM's seed and the request index
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (checked on decoded text)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
