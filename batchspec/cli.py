@@ -17,10 +17,22 @@ def cli(ctx: click.Context, verbose: int):
     ctx.ensure_object(dict)
 
 
+# Modules that define a COMMANDS list of click commands.
+COMMAND_MODULES = ["batchspec.jobs.commands", "batchspec.report", "batchspec.bench",
+                   "batchspec.distill"]
+
+
 def _register():
-    from batchspec.jobs import commands as job_commands
-    for cmd in job_commands.COMMANDS:
-        cli.add_command(cmd)
+    import importlib
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        for cmd in module.COMMANDS:
+            cli.add_command(cmd)
 
 
 def main():
