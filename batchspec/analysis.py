@@ -16,8 +16,10 @@ docs/acceptance-analysis.md.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import logging
+import operator
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -97,22 +99,20 @@ def _ratio(num: pl.Expr, den: pl.Expr) -> pl.Expr:
     return pl.when(den > 0).then(num / den)
 
 
-def _bucket(x: pl.Expr, edges: Sequence[float], labels: Sequence[str]) -> pl.Expr:
-    """labels[i] for edges[i-1] < x <= edges[i]; labels[-1] above the last edge; null stays null."""
-    expr = pl.when(x.is_null()).then(pl.lit(None, pl.String))
-    for edge, label in zip(edges, labels):
-        expr = expr.when(x <= edge).then(pl.lit(label))
-    return expr.otherwise(pl.lit(labels[-1])).cast(pl.Enum(labels))
+def _bucket_index(x: pl.Expr, edges: Sequence[float]) -> pl.Expr:
+    """i for edges[i-1] < x <= edges[i], len(edges) above the last edge; null stays null.
+    Counting the edges below x is much cheaper than a when/then chain over millions of rounds."""
+    return functools.reduce(operator.add, [(x > e).cast(pl.UInt8) for e in edges])
+
+
+def _bucket_label(index: pl.Expr, labels: Sequence[str]) -> pl.Expr:
+    return index.replace_strict(dict(enumerate(labels)), return_dtype=pl.Enum(labels))
 
 
 def temperature_bucket() -> pl.Expr:
     # temperature is float32: 0.3f is 0.30000001, which must still land in (0, 0.3].
     t = pl.col("temperature").cast(pl.Float64).round(6)
-    return _bucket(t, [0.0, 0.3, 0.7, 1.0], TEMPERATURE_BUCKETS)
-
-
-def position_bucket(pos: pl.Expr) -> pl.Expr:
-    return _bucket(pos, [9, 49, 99, 199], POSITION_BUCKETS)
+    return _bucket_label(_bucket_index(t, [0.0, 0.3, 0.7, 1.0]), TEMPERATURE_BUCKETS)
 
 
 BREAKDOWN_KEYS = {"domain": pl.col("domain"), "draft": pl.col("draft"),
@@ -177,14 +177,16 @@ def position_query(lf: pl.LazyFrame) -> pl.LazyFrame:
     return (lf.select(lists)
             .explode(lists)
             .drop_nulls("round_output_pos")
-            .group_by(position_bucket(pl.col("round_output_pos")).alias("position"))
+            .group_by(_bucket_index(pl.col("round_output_pos"), [9, 49, 99, 199])
+                      .alias("position"))
             .agg(pl.len().alias("rounds"), drafted.sum().alias("drafted"),
                  accepted.sum().alias("accepted"),
                  (accepted < drafted).sum().alias("rejections"))
             .with_columns(_ratio(pl.col("accepted"), pl.col("drafted")).alias("acceptance_rate"),
                           _ratio(pl.col("accepted"), pl.col("accepted") + pl.col("rejections"))
                           .alias("token_acceptance_prob"))
-            .sort("position"))
+            .sort("position")
+            .with_columns(_bucket_label(pl.col("position"), POSITION_BUCKETS)))
 
 
 def histogram_query(lf: pl.LazyFrame) -> pl.LazyFrame:
@@ -268,7 +270,9 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
     queries = [summary_query(lf), depth_query(lf), position_query(lf), histogram_query(lf),
                outliers_query(lf, num_outliers, min_drafted), speedup_query(lf),
                *(breakdown_query(lf, k) for k in by)]
-    summary, depth, position, hist, outliers, sp, *groups = pl.collect_all(queries)
+    # The streaming engine runs the ~30M-row explode of the per-round lists in half the time.
+    summary, depth, position, hist, outliers, sp, *groups = pl.collect_all(queries,
+                                                                           engine="streaming")
 
     summary = summary.to_dicts()[0]
     accepted, rejections = position["accepted"].sum(), position["rejections"].sum()
