@@ -62,8 +62,11 @@ def bar_chart(chart_id: str, title: str, labels: Sequence[str],
                        f'{escape(label)}: {value_format.format(v)}</title></rect>')
         if edge_labels:
             continue
-        shown, color = ("n/a", MUTED) if v is None else (value_format.format(v), INK)
-        out.append(f'<text x="{cx:.1f}" y="{y(v or 0) - 5:.1f}" font-size="11" '
+        shown, color, text_y = ("n/a", MUTED, y(0) - 5) if v is None else (
+            value_format.format(v), INK, y(v) - 5)
+        if reference and v is not None and y(0) - y(v) > 24:
+            color, text_y = "#fff", y(v) + 15        # inside the bar, clear of the line
+        out.append(f'<text x="{cx:.1f}" y="{text_y:.1f}" font-size="11" '
                    f'text-anchor="middle" fill="{color}">{shown}</text>')
         text = label if len(label) <= 16 else label[:15] + "…"
         out.append(f'<text x="{cx:.1f}" y="{TOP + plot_h + 16}" font-size="11" '
