@@ -94,6 +94,12 @@ def _scan_files(files: list[str]) -> pl.LazyFrame:
                            .alias(k) for k in keys).drop("_path")
 
 
+def _sum(name: str, where: pl.Expr | None = None) -> pl.Expr:
+    # Counters are int32 per request; their sum over millions of requests is not.
+    col = pl.col(name).cast(pl.Int64)
+    return (col if where is None else col.filter(where)).sum()
+
+
 def _ratio(num: pl.Expr, den: pl.Expr) -> pl.Expr:
     """num / den, null where den is 0 (never NaN: the result goes to JSON)."""
     return pl.when(den > 0).then(num / den)
@@ -125,8 +131,8 @@ is_speculative = pl.col("draft").is_not_null()
 
 def _rates() -> list[pl.Expr]:
     """Aggregates shared by the overall summary and every breakdown row."""
-    drafted, accepted = pl.col("total_drafted").sum(), pl.col("total_accepted").sum()
-    tokens, rounds = pl.col("tokens_generated").sum(), pl.col("rounds").sum()
+    drafted, accepted = _sum("total_drafted"), _sum("total_accepted")
+    tokens, rounds = _sum("tokens_generated"), _sum("rounds")
     alpha = request_alpha
     return [
         pl.len().alias("requests"),
@@ -138,8 +144,8 @@ def _rates() -> list[pl.Expr]:
         alpha.quantile(0.99, "linear").alias("p99"),
         tokens.alias("tokens_generated"), rounds.alias("rounds"),
         _ratio(tokens, rounds).alias("tokens_per_pass"),
-        _ratio(pl.col("skipped_by_confidence").filter(is_speculative).sum(),
-               pl.col("rounds").filter(is_speculative).sum()).alias("skip_rate"),
+        _ratio(_sum("skipped_by_confidence", is_speculative),
+               _sum("rounds", is_speculative)).alias("skip_rate"),
         _ratio(pl.col("fallback_triggered").filter(is_speculative).sum(),
                is_speculative.sum()).alias("fallback_rate"),
     ]
@@ -163,8 +169,7 @@ def depth_query(lf: pl.LazyFrame) -> pl.LazyFrame:
             .explode(["depth", *lists])
             .drop_nulls("depth")
             .group_by("depth")
-            .agg(pl.col(lists[0]).sum().alias("drafted"),
-                 pl.col(lists[1]).sum().alias("accepted"))
+            .agg(_sum(lists[0]).alias("drafted"), _sum(lists[1]).alias("accepted"))
             .with_columns(_ratio(pl.col("accepted"), pl.col("drafted")).alias("acceptance_rate"))
             .sort("depth"))
 
@@ -173,15 +178,15 @@ def position_query(lf: pl.LazyFrame) -> pl.LazyFrame:
     """Per-round counts pooled by the output position at which the round started. Also counts
     rejections (rounds that stopped before their window's end), from which p is estimated."""
     lists = ["round_output_pos", "round_drafted", "round_accepted"]
-    drafted, accepted = pl.col("round_drafted"), pl.col("round_accepted")
     return (lf.select(lists)
             .explode(lists)
             .drop_nulls("round_output_pos")
             .group_by(_bucket_index(pl.col("round_output_pos"), [9, 49, 99, 199])
                       .alias("position"))
-            .agg(pl.len().alias("rounds"), drafted.sum().alias("drafted"),
-                 accepted.sum().alias("accepted"),
-                 (accepted < drafted).sum().alias("rejections"))
+            .agg(pl.len().alias("rounds"), _sum("round_drafted").alias("drafted"),
+                 _sum("round_accepted").alias("accepted"),
+                 (pl.col("round_accepted") < pl.col("round_drafted")).sum()
+                 .alias("rejections"))
             .with_columns(_ratio(pl.col("accepted"), pl.col("drafted")).alias("acceptance_rate"),
                           _ratio(pl.col("accepted"), pl.col("accepted") + pl.col("rejections"))
                           .alias("token_acceptance_prob"))
@@ -213,8 +218,8 @@ def speedup_query(lf: pl.LazyFrame) -> pl.LazyFrame:
     """Rounds and wall time per (target, k) for speculative and plain requests."""
     return (lf.group_by(pl.col("target"), is_speculative.alias("speculative"),
                         pl.col("k_max").alias("k"))
-            .agg(pl.len().alias("requests"), pl.col("tokens_generated").sum(),
-                 pl.col("rounds").sum(), pl.col("wall_s").sum(),
+            .agg(pl.len().alias("requests"), _sum("tokens_generated"), _sum("rounds"),
+                 pl.col("wall_s").sum(),
                  pl.col("speedup_theoretical").sum().alias("speedup_theoretical_sum"),
                  pl.col("speedup_theoretical").count().alias("speedup_theoretical_count")))
 

@@ -193,3 +193,13 @@ def test_paths_without_acceptance_files_are_errors(tmp_path):
         find_acceptance_files([str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="cannot break down by"):
         analyze([write_job(str(tmp_path / "j"), [[]])], by=["colour"])
+
+
+def test_sums_do_not_overflow_int32(tmp_path):
+    big = 2**31 - 10                     # fits one record's int32 counter; two do not
+    recs = [make_record(f"r{i}", [(2, 1)]) | dict(total_drafted=big, total_accepted=big // 2,
+                                                   tokens_generated=big, rounds=big)
+            for i in range(2)]
+    s = analyze([write_job(str(tmp_path), [recs])])["summary"]
+    assert (s["total_drafted"], s["total_accepted"], s["rounds"]) == (2 * big, 2 * (big // 2), 2 * big)
+    assert s["acceptance_rate"] == pytest.approx((big // 2) / big)
