@@ -40,30 +40,37 @@ class NoAcceptanceData(ValueError):
     """A path holds no acceptance records (and no OUT/acceptance/ dir to say it is a job)."""
 
 
+HOW_TO = "pass job output dirs (OUT with OUT/acceptance/part-*.parquet) or their parquet files"
+
+
+def _files_under(path: str) -> list[str] | None:
+    """Parquet files in every acceptance/ dir at or below `path`; None if there is none."""
+    acc_dirs = glob.glob(os.path.join(glob.escape(path), "**", "acceptance", ""), recursive=True)
+    if os.path.basename(os.path.normpath(path)) == "acceptance":
+        acc_dirs.append(path)
+    if not acc_dirs:
+        return None
+    return [f for d in acc_dirs
+            for f in glob.glob(os.path.join(glob.escape(d), "**", "*.parquet"), recursive=True)]
+
+
 def find_acceptance_files(paths: Iterable[str]) -> list[str]:
     """Parquet files of acceptance records under `paths`: job output dirs (any depth, so a tree
-    of jobs or hive partitions works), acceptance/ dirs, parquet files or globs. An existing but
-    empty acceptance/ dir is a job with nothing written yet, not an error."""
+    of jobs or hive partitions works), acceptance/ dirs, parquet files, or globs of these. An
+    existing but empty acceptance/ dir is a job with nothing written yet, not an error; a dir
+    with no acceptance/ dir at all is, unless a glob matched it among others."""
     files: list[str] = []
     for path in [paths] if isinstance(paths, str) else paths:
-        if os.path.isdir(path):
-            acc_dirs = glob.glob(os.path.join(glob.escape(path), "**", "acceptance", ""),
-                                 recursive=True)
-            if os.path.basename(os.path.normpath(path)) == "acceptance":
-                acc_dirs.append(path)
-            if not acc_dirs:
-                raise NoAcceptanceData(
-                    f"{path}: no acceptance/ directory below it; pass a job output dir "
-                    f"(OUT with OUT/acceptance/part-*.parquet) or acceptance parquet files")
-            found = [f for d in acc_dirs
-                     for f in glob.glob(os.path.join(glob.escape(d), "**", "*.parquet"),
-                                        recursive=True)]
-        else:
-            found = [f for f in glob.glob(path, recursive=True) if f.endswith(".parquet")]
-            if not found:
-                raise NoAcceptanceData(
-                    f"{path}: no such directory and no parquet file matches it; pass a job "
-                    f"output dir (OUT with OUT/acceptance/part-*.parquet) or parquet files")
+        is_glob = not os.path.exists(path)
+        found: list[str] = []
+        for match in sorted(glob.glob(path, recursive=True)) if is_glob else [path]:
+            under = _files_under(match) if os.path.isdir(match) else None
+            if os.path.isdir(match) and under is None and not is_glob:
+                raise NoAcceptanceData(f"{path}: no acceptance/ directory below it; {HOW_TO}")
+            found += under or ([match] if match.endswith(".parquet") else [])
+        if is_glob and not found:
+            raise NoAcceptanceData(f"{path}: no such path, and no acceptance files match it; "
+                                   f"{HOW_TO}")
         files += found
     # Writers rename complete files into place, so a zero-byte file is debris, not a shard.
     empty = [f for f in files if os.path.getsize(f) == 0]
