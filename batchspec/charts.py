@@ -53,7 +53,8 @@ def bar_chart(chart_id: str, title: str, labels: Sequence[str],
     if not known:
         out.append(f'<text x="{LEFT + plot_w / 2}" y="{TOP + plot_h / 2}" font-size="14" '
                    f'text-anchor="middle" fill="{MUTED}">{escape(empty_text)}</text>')
-    for i, (label, v) in enumerate(zip(labels, values)):
+    for i, v in enumerate(values):
+        label = labels[i]
         x0 = LEFT + i * slot
         cx, bar_w = x0 + slot / 2, slot * (0.92 if edge_labels else 0.62)
         if v is not None:

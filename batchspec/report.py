@@ -91,12 +91,12 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def _text_table(title: str, headers: list[str], rows: list[list[str]]) -> str:
-    cols = list(zip(headers, *rows))
+    cols = list(zip(headers, *rows, strict=True))
     widths = [max(len(c) for c in col) for col in cols]
     # Numbers line up on the right, words on the left.
     is_text = [any(not NUMBER.fullmatch(c) for c in col[1:]) for col in cols]
     line = lambda cells: "  ".join(c.ljust(w) if t else c.rjust(w)  # noqa: E731
-                                   for c, w, t in zip(cells, widths, is_text))
+                                   for c, w, t in zip(cells, widths, is_text, strict=True))
     body = [line(r) for r in rows] or ["(none)"]
     return "\n".join([title, line(headers), "  ".join("-" * w for w in widths), *body])
 

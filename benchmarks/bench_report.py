@@ -144,7 +144,7 @@ def main():
             f.write(page)
     print(text)
     print(f"report over {r['summary']['requests']:,} records in {r['files']} files "
-          f"(aggregates + text + JSON + HTML), {len(times)} runs: "
+          f"(aggregates + text + JSON {len(doc):,} B + HTML {len(page):,} B), {len(times)} runs: "
           f"median {statistics.median(times):.2f} s, min {min(times):.2f} s wall; "
           f"median {statistics.median(cpu):.2f} s CPU (all threads)")
 
