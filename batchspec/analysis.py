@@ -17,88 +17,22 @@ docs/acceptance-analysis.md.
 from __future__ import annotations
 
 import functools
-import glob
-import logging
 import operator
-import os
-import re
 from collections.abc import Iterable, Sequence
 
 import polars as pl
 
-from batchspec.io.schema import ACCEPTANCE_SCHEMA
-
-log = logging.getLogger(__name__)
+# scan_acceptance and NoAcceptanceData are part of this module's API too.
+from batchspec.io.acceptance import (  # noqa: F401
+    NoAcceptanceData,
+    find_acceptance_files,
+    scan_acceptance,
+    scan_files,
+)
 
 TEMPERATURE_BUCKETS = ["0", "(0, 0.3]", "(0.3, 0.7]", "(0.7, 1]", ">1"]
 POSITION_BUCKETS = ["0-9", "10-49", "50-99", "100-199", "200+"]
 NUM_HIST_BINS = 20
-_HIVE_DIR = re.compile(r"^[^=]+=[^=]*$")
-
-
-class NoAcceptanceData(ValueError):
-    """A path holds no acceptance records (and no OUT/acceptance/ dir to say it is a job)."""
-
-
-HOW_TO = "pass job output dirs (OUT with OUT/acceptance/part-*.parquet) or their parquet files"
-
-
-def _files_under(path: str) -> list[str] | None:
-    """Parquet files in every acceptance/ dir at or below `path`; None if there is none."""
-    acc_dirs = glob.glob(os.path.join(glob.escape(path), "**", "acceptance", ""), recursive=True)
-    if os.path.basename(os.path.normpath(path)) == "acceptance":
-        acc_dirs.append(path)
-    if not acc_dirs:
-        return None
-    return [f for d in acc_dirs
-            for f in glob.glob(os.path.join(glob.escape(d), "**", "*.parquet"), recursive=True)]
-
-
-def find_acceptance_files(paths: Iterable[str]) -> list[str]:
-    """Parquet files of acceptance records under `paths`: job output dirs (any depth, so a tree
-    of jobs or hive partitions works), acceptance/ dirs, parquet files, or globs of these. An
-    existing but empty acceptance/ dir is a job with nothing written yet, not an error; a dir
-    with no acceptance/ dir at all is, unless a glob matched it among others."""
-    files: list[str] = []
-    for path in [paths] if isinstance(paths, str) else paths:
-        is_glob = not os.path.exists(path)
-        found: list[str] = []
-        for match in sorted(glob.glob(path, recursive=True)) if is_glob else [path]:
-            under = _files_under(match) if os.path.isdir(match) else None
-            if os.path.isdir(match) and under is None and not is_glob:
-                raise NoAcceptanceData(f"{path}: no acceptance/ directory below it; {HOW_TO}")
-            found += under or ([match] if match.endswith(".parquet") else [])
-        if is_glob and not found:
-            raise NoAcceptanceData(f"{path}: no such path, and no acceptance files match it; "
-                                   f"{HOW_TO}")
-        files += found
-    # Writers rename complete files into place, so a zero-byte file is debris, not a shard.
-    empty = [f for f in files if os.path.getsize(f) == 0]
-    if empty:
-        log.warning("skipping %d zero-byte file(s), e.g. %s", len(empty), empty[0])
-    return sorted({os.path.abspath(f) for f in files} - {os.path.abspath(f) for f in empty})
-
-
-def _hive_keys(path: str) -> set[str]:
-    return {p.split("=")[0] for p in path.split(os.sep)[:-1] if _HIVE_DIR.match(p)}
-
-
-def scan_acceptance(paths: Iterable[str]) -> pl.LazyFrame:
-    """One LazyFrame over every acceptance record under `paths` (see find_acceptance_files)."""
-    return _scan_files(find_acceptance_files(paths))
-
-
-def _scan_files(files: list[str]) -> pl.LazyFrame:
-    if not files:
-        return pl.from_arrow(ACCEPTANCE_SCHEMA.empty_table()).lazy()
-    lf = pl.scan_parquet(files, include_file_paths="_path", missing_columns="insert",
-                         extra_columns="ignore")
-    # Hive partition dirs (key=value) become string columns, null for files outside them.
-    # A key that names a record field is left out: a path must not overwrite what the engine
-    # recorded (Polars' own hive_partitioning would, and wants one layout for all files).
-    keys = sorted(set().union(*map(_hive_keys, files)) - set(ACCEPTANCE_SCHEMA.names))
-    return lf.with_columns(pl.col("_path").str.extract(rf"[/\\]{re.escape(k)}=([^/\\]*)[/\\]")
-                           .alias(k) for k in keys).drop("_path")
 
 
 def _sum(name: str, where: pl.Expr | None = None) -> pl.Expr:
@@ -140,15 +74,12 @@ def _rates() -> list[pl.Expr]:
     """Aggregates shared by the overall summary and every breakdown row."""
     drafted, accepted = _sum("total_drafted"), _sum("total_accepted")
     tokens, rounds = _sum("tokens_generated"), _sum("rounds")
-    alpha = request_alpha
     return [
         pl.len().alias("requests"),
         is_speculative.sum().alias("speculative_requests"),
         drafted.alias("total_drafted"), accepted.alias("total_accepted"),
         _ratio(accepted, drafted).alias("acceptance_rate"),
-        alpha.quantile(0.5, "linear").alias("p50"),
-        alpha.quantile(0.9, "linear").alias("p90"),
-        alpha.quantile(0.99, "linear").alias("p99"),
+        *(request_alpha.quantile(q, "linear").alias(f"p{round(q * 100)}") for q in (0.5, 0.9, 0.99)),
         tokens.alias("tokens_generated"), rounds.alias("rounds"),
         _ratio(tokens, rounds).alias("tokens_per_pass"),
         _ratio(_sum("skipped_by_confidence", is_speculative),
@@ -223,12 +154,13 @@ def outliers_query(lf: pl.LazyFrame, n: int = 10, min_drafted: int = 1) -> pl.La
 
 def speedup_query(lf: pl.LazyFrame) -> pl.LazyFrame:
     """Rounds and wall time per (target, k) for speculative and plain requests."""
+    theoretical = pl.col("speedup_theoretical").fill_nan(None)    # NaN is not JSON
     return (lf.group_by(pl.col("target"), is_speculative.alias("speculative"),
                         pl.col("k_max").alias("k"))
             .agg(pl.len().alias("requests"), _sum("tokens_generated"), _sum("rounds"),
-                 pl.col("wall_s").sum(),
-                 pl.col("speedup_theoretical").sum().alias("speedup_theoretical_sum"),
-                 pl.col("speedup_theoretical").count().alias("speedup_theoretical_count")))
+                 pl.col("wall_s").fill_nan(None).sum(),
+                 theoretical.sum().alias("speedup_theoretical_sum"),
+                 theoretical.count().alias("speedup_theoretical_count")))
 
 
 def _passes_per_round(p: float, k: pl.Expr) -> pl.Expr:
@@ -273,7 +205,7 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
     (see find_acceptance_files) or a LazyFrame of acceptance records. All queries run in one
     collect_all, so Polars reads the files once."""
     files = None if isinstance(source, pl.LazyFrame) else find_acceptance_files(source)
-    lf = source if files is None else _scan_files(files)
+    lf = source if files is None else scan_files(files)
     columns = lf.collect_schema().names()
     unknown = [k for k in by if k not in BREAKDOWN_KEYS and k not in columns]
     if unknown:
@@ -291,14 +223,14 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
     p = accepted / (accepted + rejections) if accepted + rejections else None
     depth = depth.with_columns((pl.lit(p, pl.Float64).pow(pl.col("depth") + 1))
                                .alias("iid_prediction"))
-    counts = dict(zip(hist["bin"].to_list(), hist["count"].to_list()))
+    counts = dict(zip(hist["bin"].to_list(), hist["count"].to_list(), strict=True))
     return {
         "acceptance_rate": summary["acceptance_rate"],
         "files": None if files is None else len(files),
         "token_acceptance_prob": p,
         "summary": summary,
         "speedup": _speedup(sp, p),
-        "by": {k: g.to_dicts() for k, g in zip(by, groups)},
+        "by": {k: g.to_dicts() for k, g in zip(by, groups, strict=True)},
         "by_depth": depth.to_dicts(),
         "by_position": position.to_dicts(),
         "histogram": [{"lo": i / NUM_HIST_BINS, "hi": (i + 1) / NUM_HIST_BINS,

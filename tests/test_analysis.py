@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 
 from batchspec.analysis import NoAcceptanceData, analyze, find_acceptance_files
-from tests.acceptance_records import (make_record, plain_record, synthetic_records, write_job,
-                                      write_records)
+from tests.acceptance_records import (
+    make_record,
+    plain_record,
+    synthetic_records,
+    write_job,
+    write_records,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,7 @@ def temperature_bucket(t: float) -> str:
 def test_overall_aggregates(result, records):
     drafted = sum(r["total_drafted"] for r in records)
     accepted = sum(r["total_accepted"] for r in records)
-    rejections = sum(a < n for r in records for n, a in zip(r["round_drafted"], r["round_accepted"]))
+    rejections = sum(a < n for r in records for n, a in zip(r["round_drafted"], r["round_accepted"], strict=True))
     spec = [r for r in records if r["draft"] is not None]
     s = result["summary"]
     assert s["requests"] == len(records) and s["speculative_requests"] == len(spec)
@@ -84,7 +89,7 @@ def test_breakdowns(result, records, key, field, label):
 def test_alpha_by_depth(result, records):
     drafted, accepted = defaultdict(int), defaultdict(int)
     for r in records:
-        for d, (n, a) in enumerate(zip(r["drafted_per_depth"], r["accepted_per_depth"])):
+        for d, (n, a) in enumerate(zip(r["drafted_per_depth"], r["accepted_per_depth"], strict=True)):
             drafted[d] += n
             accepted[d] += a
     rows = result["by_depth"]
@@ -205,3 +210,14 @@ def test_sums_do_not_overflow_int32(tmp_path):
     s = analyze([write_job(str(tmp_path), [recs])])["summary"]
     assert (s["total_drafted"], s["total_accepted"], s["rounds"]) == (2 * big, 2 * (big // 2), 2 * big)
     assert s["acceptance_rate"] == pytest.approx((big // 2) / big)
+
+
+def test_only_done_shards_of_a_job_count(tmp_path, records):
+    # Shard 1 wrote its acceptance file but not its outputs file: not done, a rerun redoes it.
+    job = write_job(str(tmp_path / "job"), [records[:100], records[100:200]])
+    (tmp_path / "job" / "outputs").mkdir()
+    (tmp_path / "job" / "outputs" / "part-00000.parquet").write_bytes(b"PAR1")
+    r = analyze([job])
+    assert r["files"] == 1 and r["summary"]["requests"] == 100
+    # Passed directly, an acceptance file is read whatever the state of its shard.
+    assert analyze([os.path.join(job, "acceptance", "part-00001.parquet")])["files"] == 1
