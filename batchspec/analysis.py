@@ -58,7 +58,7 @@ def _bucket_label(index: pl.Expr, labels: Sequence[str]) -> pl.Expr:
 
 def temperature_bucket() -> pl.Expr:
     # temperature is float32: 0.3f is 0.30000001, which must still land in (0, 0.3].
-    t = pl.col("temperature").cast(pl.Float64).round(6)
+    t = pl.col("temperature").cast(pl.Float64).round(6).fill_nan(None)
     return _bucket_label(_bucket_index(t, [0.0, 0.3, 0.7, 1.0]), TEMPERATURE_BUCKETS)
 
 
@@ -235,6 +235,7 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
         "by_position": position.to_dicts(),
         "histogram": [{"lo": i / NUM_HIST_BINS, "hi": (i + 1) / NUM_HIST_BINS,
                        "count": counts.get(i, 0)} for i in range(NUM_HIST_BINS)],
-        "outliers": outliers.with_columns(pl.col("temperature").cast(pl.Float64).round(6))
+        "outliers": outliers.with_columns(pl.col("temperature").cast(pl.Float64).round(6)
+                                          .fill_nan(None))
                             .to_dicts(),
     }

@@ -2,6 +2,7 @@
 synthetic acceptance records written as real Parquet job output dirs."""
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 from fractions import Fraction
@@ -221,3 +222,14 @@ def test_only_done_shards_of_a_job_count(tmp_path, records):
     assert r["files"] == 1 and r["summary"]["requests"] == 100
     # Passed directly, an acceptance file is read whatever the state of its shard.
     assert analyze([os.path.join(job, "acceptance", "part-00001.parquet")])["files"] == 1
+
+
+def test_result_is_strict_json_even_with_nan_inputs(tmp_path):
+    nan = float("nan")
+    recs = [make_record("r0", [(2, 0)], temperature=nan, speedup=nan, wall_s=nan),
+            make_record("r1", [(2, 1)], speedup=2.0), plain_record("r2", 3, wall_s=nan)]
+    r = analyze([write_job(str(tmp_path), [recs])])
+    json.dumps(r, allow_nan=False)
+    assert r["speedup"]["speedup_theoretical_mean"] == 2.0
+    assert {g["temperature"]: g["requests"] for g in r["by"]["temperature"]} == {"0": 2, None: 1}
+    assert r["outliers"][0]["request_id"] == "r0" and r["outliers"][0]["temperature"] is None
