@@ -26,8 +26,9 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _label(x) -> str:
-    return PLAIN if x is None else str(x)
+def _label(x, key: str = "draft") -> str:
+    # A null draft means plain decoding; any other null key is just missing.
+    return str(x) if x is not None else PLAIN if key == "draft" else "(none)"
 
 
 def notice(r: dict) -> str | None:
@@ -69,7 +70,7 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     for key, rows in r["by"].items():
         out.append((f"α by {key}",
                     [key, "requests", "α", "P50", "P90", "P99", "tokens/pass", "skip", "fallback"],
-                    [[_label(g[key]), _num(g["requests"]), _num(g["acceptance_rate"]),
+                    [[_label(g[key], key), _num(g["requests"]), _num(g["acceptance_rate"]),
                       _num(g["p50"]), _num(g["p90"]), _num(g["p99"]),
                       _num(g["tokens_per_pass"], 2), _pct(g["skip_rate"]),
                       _pct(g["fallback_rate"])] for g in rows]))
@@ -124,7 +125,7 @@ def charts(r: dict) -> list[str]:
                      reference=[g["iid_prediction"] for g in r["by_depth"]],
                      reference_label="p^(d+1): i.i.d. acceptance")]
     for key, rows in r["by"].items():
-        out.append(bar_chart(f"chart-by-{key}", f"α by {key}", [_label(g[key]) for g in rows],
+        out.append(bar_chart(f"chart-by-{key}", f"α by {key}", [_label(g[key], key) for g in rows],
                              [g["acceptance_rate"] for g in rows],
                              notes=[f"n={g['requests']:,}" for g in rows]))
     hist = r["histogram"]
@@ -171,7 +172,7 @@ def render_html(r: dict) -> str:
               help="Write every aggregate as JSON here (top-level acceptance_rate first).")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False),
               help="Write a self-contained HTML page with charts here.")
-@click.option("--by", default="domain,draft,temperature", show_default=True,
+@click.option("--by", default="domain,draft,temperature", show_default=True, metavar="KEYS",
               help="Comma-separated breakdowns: domain, draft, temperature, target, job, k, "
                    "or any record or hive-partition column.")
 @click.option("--outliers", "num_outliers", default=10, show_default=True,

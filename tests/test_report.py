@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchspec.cli import _register, cli
-from tests.acceptance_records import plain_record, synthetic_records, write_job
+from tests.acceptance_records import make_record, plain_record, synthetic_records, write_job
 
 CHART_TITLES = {"chart-position": "α by output position",
                 "chart-depth": "α by depth in the draft window",
@@ -56,11 +56,17 @@ def test_report_json_html_and_text(tmp_path):
 
 
 def test_by_option_chooses_breakdowns(tmp_path):
-    job = write_job(str(tmp_path / "j"), [synthetic_records(50, job_id="j")])
+    recs = synthetic_records(50, job_id="j") + [make_record("no-domain", [(2, 1)], domain=None)]
+    job = write_job(str(tmp_path / "j"), [recs])
     res = run(job, "--by", "job,k", "--json", tmp_path / "r.json", "--html", tmp_path / "r.html")
     assert res.exit_code == 0, res.output
     assert set(json.loads((tmp_path / "r.json").read_text())["by"]) == {"job", "k"}
     assert {"chart-by-job", "chart-by-k"} <= set(charts_in((tmp_path / "r.html").read_text()))
+    res = run(job, "--by", "domain,draft")
+    domain_table = res.output.split("α by domain")[1].split("α by draft")[0]
+    draft_table = res.output.split("α by draft")[1].split("α by output position")[0]
+    assert "(none)" in domain_table and "(plain)" not in domain_table
+    assert "(plain)" in draft_table and "(none)" not in draft_table
     res = run(job, "--by", "colour")
     assert res.exit_code == 2 and "cannot break down by ['colour']" in res.output
 
