@@ -110,12 +110,13 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def start_worker(redis_server, tmp_path_factory):
-    """start_worker(name, **env) -> a ready Worker; every worker is stopped after the module."""
+    """start_worker(name, url=None, **env) -> a ready Worker on `url` (default: database 0
+    of the test Redis); every worker is stopped after the module."""
     workers: list[Worker] = []
     folder = tmp_path_factory.mktemp("workers")
 
-    def start(name: str = "w", pool: str = "prefork", **env) -> Worker:
-        w = Worker(redis_server, str(folder / f"{name}.log"), name, env, pool)
+    def start(name: str = "w", pool: str = "prefork", url: str | None = None, **env) -> Worker:
+        w = Worker(url or redis_server, str(folder / f"{name}.log"), name, env, pool)
         workers.append(w)
         return w.wait_ready()
 

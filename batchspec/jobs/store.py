@@ -131,6 +131,11 @@ class JobStore:
     def progress(self, job_id: str, shard_id: str, finished: int, tokens: int) -> None:
         self.r.hset(self._key(job_id, "progress"), shard_id, f"{finished} {tokens}")
 
+    def running_progress(self, job_id: str) -> dict[str, tuple[int, int]]:
+        """shard -> (finished requests, generated tokens) of the shards being generated."""
+        return {k: tuple(map(int, v.split()))
+                for k, v in self.r.hgetall(self._key(job_id, "progress")).items()}
+
     def finish_shard(self, job_id: str, shard_id: str, outcome: str, requests_ok: int = 0,
                      requests_failed: int = 0, tokens: int = 0) -> int:
         """Record a shard's end once. Returns 1 if it was the job's last shard (the caller
@@ -157,8 +162,7 @@ class JobStore:
             return None
         job = {k: v for k, v in raw.items() if k not in COUNTERS and k != "spec"}
         job |= {c: int(raw.get(c, 0)) for c in COUNTERS}
-        running = [tuple(map(int, v.split()))
-                   for v in self.r.hvals(self._key(job_id, "progress"))]
+        running = self.running_progress(job_id).values()
         job["requests_in_progress"] = sum(r[0] for r in running)
         tokens = job["tokens_generated"] + sum(r[1] for r in running)
         start = raw.get("started_at")
