@@ -1,0 +1,233 @@
+"""The engine step: schedule -> propose -> verify (one target forward over every row's
+1 + n_i tokens, then rejection sampling) -> commit (accepted tokens, KV rollback, stop checks).
+Plain decoding is the same step with zero drafts."""
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+
+import torch
+
+from batchspec.config import NGRAM, EngineConfig
+from batchspec.engine.block_manager import BlockManager
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.scheduler import ScheduledSeq, Scheduler
+from batchspec.engine.sequence import Sequence
+from batchspec.models.loader import load_tokenizer
+from batchspec.sampling import SamplingParams
+from batchspec.spec.policy import SpecPolicy
+from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
+from batchspec.spec.verify import rejection_sample
+
+log = logging.getLogger(__name__)
+CPU_KV_CACHE_GB = 1.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = c = config
+        self.target = ModelRunner(c.model, c.device, c.dtype, c.attention_backend)
+        self.tokenizer = load_tokenizer(c.model)
+        cfg = self.target.cfg
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.proposers: dict[str, DraftModelProposer | NgramProposer] = {}
+        runners: dict[str, ModelRunner] = {}
+        for name, path in c.drafts.items():
+            if path == NGRAM:
+                self.proposers[name] = NgramProposer(c.ngram_min, c.ngram_max)
+                continue
+            if path not in runners:
+                runners[path] = ModelRunner(path, c.device, c.dtype, c.attention_backend)
+                self._check_draft(path, runners[path])
+            self.proposers[name] = DraftModelProposer(runners[path], c.confidence_threshold)
+        k = c.num_speculative_tokens if c.speculative else 0
+        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        for r in runners.values():
+            self.max_model_len = min(self.max_model_len, r.cfg.max_position_embeddings)
+        all_runners = [self.target, *runners.values()]
+        num_blocks = self._num_kv_blocks(all_runners, k)
+        capacity = num_blocks * c.block_size - k
+        if capacity < self.max_model_len:
+            log.warning("KV cache holds %d tokens; max_model_len lowered from %d",
+                        capacity, self.max_model_len)
+            self.max_model_len = capacity
+        for r in all_runners:
+            r.allocate_kv_cache(num_blocks, c.block_size)
+        self.policy = SpecPolicy(c, self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, c.block_size)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                   self.policy.lookahead)
+        self._next_id = 0
+
+    def _check_draft(self, path: str, runner: ModelRunner) -> None:
+        if runner.cfg.vocab_size != self.target.cfg.vocab_size:
+            raise ValueError(f"draft {path!r} has vocabulary size {runner.cfg.vocab_size}, "
+                             f"target has {self.target.cfg.vocab_size}: a draft must share the "
+                             f"target's tokenizer and vocabulary")
+        draft_tok = load_tokenizer(path)
+        if draft_tok is not None and self.tokenizer is not None and \
+                draft_tok.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"draft {path!r} uses a different tokenizer than the target")
+
+    def _num_kv_blocks(self, runners: list[ModelRunner], k: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = sum(r.kv_bytes_per_block(c.block_size) for r in runners)
+        if c.kv_cache_memory_gb is not None:
+            budget = c.kv_cache_memory_gb * 2**30
+        elif self.target.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.target.device)
+            budget = 0.9 * free
+        else:
+            budget = CPU_KV_CACHE_GB * 2**30
+        enough = c.max_num_seqs * (self.max_model_len + k + c.block_size) // c.block_size
+        return max(1, min(int(budget // per_block), enough))
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, domain: str | None = None) -> Sequence:
+        if not prompt_token_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context holds "
+                             f"{self.max_model_len} (prompt + at least one generated token)")
+        vocab = self.target.cfg.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        rid = str(self._next_id) if request_id is None else str(request_id)
+        seed = params.seed if params.seed is not None else \
+            zlib.crc32(f"{self.config.seed}:{rid}".encode())
+        seq = Sequence(self._next_id, rid, prompt_token_ids, params, seed, domain)
+        self._next_id += 1
+        seq.spec.draft = self.policy.draft_for(domain, params.temperature)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> list[Sequence]:
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for seq in seqs:
+            self._finish(seq, "abort")
+        return seqs
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> tuple[list[Sequence], int]:
+        """One engine step. Returns (sequences finished in it, tokens generated in it)."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return [], 0
+        sampling = [s for s in scheduled if s.is_sampling]
+        proposals = self.propose(sampling)
+        logits = self.target.forward(
+            [s.seq.token_ids[s.seq.num_computed_tokens:][:s.num_new_tokens]
+             + (proposals[id(s)].token_ids if id(s) in proposals else []) for s in scheduled],
+            [s.seq.num_computed_tokens for s in scheduled],
+            [s.seq.block_table for s in scheduled],
+            [1 + len(proposals[id(s)].token_ids) if id(s) in proposals else int(s.is_sampling)
+             for s in scheduled])
+        out_ids, num_accepted = self.verify(sampling, proposals, logits)
+        return self.commit(scheduled, proposals, out_ids, num_accepted)
+
+    def propose(self, sampling: list[ScheduledSeq]) -> dict[int, Proposal]:
+        """Draft tokens for decode rows allowed to speculate, grouped by draft."""
+        groups: dict[str, list[ScheduledSeq]] = {}
+        for s in sampling:
+            if s.max_drafts > 0:
+                groups.setdefault(s.seq.spec.draft, []).append(s)
+        proposals = {}
+        for name, rows in groups.items():
+            props = self.proposers[name].propose([(s.seq, s.max_drafts) for s in rows])
+            for s, p in zip(rows, props):
+                proposals[id(s)] = p
+        return proposals
+
+    def verify(self, sampling, proposals, logits):
+        drafts = [proposals.get(id(s)) for s in sampling]
+        n = [len(p.token_ids) if p else 0 for p in drafts]
+        cu = [0]
+        for x in n:
+            cu.append(cu[-1] + x)
+        params = [s.seq.params for s in sampling]
+        draft_ids = [t for p in drafts if p for t in p.token_ids]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        draft_probs = None
+        if cu[-1] and bool((temps > 0).any()):
+            V = logits.shape[-1]
+            rows = []
+            for p in drafts:
+                if p and p.token_ids:
+                    rows.append(p.probs if p.probs is not None else torch.nn.functional.one_hot(
+                        torch.tensor(p.token_ids), V).float())
+            draft_probs = torch.cat(rows).to(logits.device)
+        dev = logits.device
+        top_k = top_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32, device=dev)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        return rejection_sample(
+            logits, draft_probs, torch.tensor(draft_ids, dtype=torch.int64, device=dev),
+            torch.tensor(cu, dtype=torch.int32, device=dev), temps.to(dev),
+            torch.tensor([s.seq.seed for s in sampling], dtype=torch.int64, device=dev),
+            torch.tensor([s.seq.num_output_tokens for s in sampling], dtype=torch.int64,
+                         device=dev),
+            top_k=top_k, top_p=top_p, backend=self.config.verify_backend)
+
+    def commit(self, scheduled, proposals, out_ids, num_accepted):
+        out_ids = out_ids.tolist()
+        num_accepted = num_accepted.tolist()
+        finished, num_tokens, b = [], 0, 0
+        for s in scheduled:
+            seq = s.seq
+            if not s.is_sampling:
+                self.scheduler.commit(seq, s.num_new_tokens, [])
+                continue
+            prop = proposals.get(id(s))
+            n_drafted = len(prop.token_ids) if prop else 0
+            m = num_accepted[b]
+            new = out_ids[b][:m + 1]
+            b += 1
+            if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
+                seq.record_round(n_drafted, m)
+                if prop is not None and prop.stopped_by_confidence:
+                    seq.spec.skipped_by_confidence += 1
+                self.policy.update_fallback(seq)
+            new, reason = self._check_stop(seq, new)
+            self.scheduler.commit(seq, s.num_new_tokens + m, new)
+            num_tokens += len(new)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished, num_tokens
+
+    def _check_stop(self, seq: Sequence, new: list[int]) -> tuple[list[int], str | None]:
+        """Cut `new` at the first stop condition; returns (tokens to append, reason)."""
+        p = seq.params
+        for i, t in enumerate(new):
+            n_out = seq.num_output_tokens + i + 1
+            if (t in self.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                return new[:i + 1], "stop"
+            if p.stop and self.tokenizer is not None and self._hit_stop_string(seq, new[:i + 1]):
+                return new[:i + 1], "stop"
+            if n_out >= p.max_tokens or len(seq) + i + 1 >= self.max_model_len:
+                return new[:i + 1], "length"
+        return new, None
+
+    def _hit_stop_string(self, seq: Sequence, new: list[int]) -> bool:
+        text = self.tokenizer.decode(seq.output_token_ids + new, skip_special_tokens=True)
+        hits = [text.find(s) for s in seq.params.stop if s in text]
+        if hits:
+            seq.stop_text_len = min(hits)
+            return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = time.perf_counter()

@@ -1,0 +1,60 @@
+"""ModelRunner: owns one model's weights and paged KV cache on a device, turns ragged rows of
+tokens into batch tensors and runs the forward pass. Used for the target and each draft."""
+from __future__ import annotations
+
+import torch
+
+from batchspec.layers.attention import build_metadata, flash_available
+from batchspec.models.llama import LlamaForCausalLM
+from batchspec.models.loader import load_weights, read_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, path: str, device: str, dtype: str, attention_backend: str = "auto"):
+        self.path = path
+        self.device = torch.device(device)
+        self.cfg = read_config(path)
+        weights = load_weights(path)
+        self.num_params = sum(t.numel() for k, t in weights.items()
+                              if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings))
+        self.model = LlamaForCausalLM(self.cfg, weights, DTYPES[dtype], self.device)
+        del weights
+        if attention_backend == "auto":
+            attention_backend = "flash" if self.device.type == "cuda" and flash_available() \
+                else "torch"
+        if attention_backend == "flash" and not flash_available():
+            raise RuntimeError("attention_backend='flash' needs CUDA and the flash-attn package")
+        self.attention_backend = attention_backend
+        self.kv_caches = None
+        self.block_size = 16
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks, block_size, self.device)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.model.kv_bytes_per_block(block_size)
+
+    def forward(self, token_rows: list[list[int]], num_computed: list[int],
+                block_tables: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        """Run rows of new tokens; row i starts at position num_computed[i]. Returns fp32
+        logits [sum(num_logits), V] for the last num_logits[i] tokens of each row."""
+        assert self.kv_caches is not None, "allocate_kv_cache first"
+        qlens = [len(t) for t in token_rows]
+        flat = [t for row in token_rows for t in row]
+        input_ids = torch.tensor(flat, dtype=torch.long)
+        positions = torch.cat([torch.arange(n, n + q) for n, q in zip(num_computed, qlens)])
+        meta = build_metadata(list(zip(num_computed, qlens)), block_tables, self.block_size,
+                              self.device, self.model.cfg.sliding_window,
+                              self.attention_backend)
+        idx, end = [], 0
+        for q, k in zip(qlens, num_logits):
+            end += q
+            idx.extend(range(end - k, end))
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device), meta,
+                            self.kv_caches, self.attention_backend, self.block_size)
+        if len(idx) == hidden.shape[0]:
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])

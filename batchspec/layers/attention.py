@@ -1,0 +1,166 @@
+"""Attention over the paged KV cache.
+
+KV layout per layer: [num_blocks * block_size, num_kv_heads, head_dim] (a flat view of
+[num_blocks, block_size, H_kv, D]); a token at position p of a sequence lives in slot
+block_table[p // block_size] * block_size + p % block_size.
+
+Backends:
+- `torch`: SDPA. Short rows (decodes and verification windows, q_len <= DECODE_MAX_Q) run as
+  one padded batch gathered from the cache; longer rows (prefill chunks) run one by one, and a
+  prefill with no cached context attends to its own keys directly.
+- `flash`: flash-attn `flash_attn_varlen_func` with block tables (CUDA, when installed).
+Both see the same AttentionMetadata, built once per forward and shared by all layers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+DECODE_MAX_Q = 16
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                 # [T] long: cache slot of each new token
+    # padded batch of short rows
+    dec_token_idx: torch.Tensor | None = None  # [Bd * maxq] long: flat token index (pad: 0)
+    dec_valid: torch.Tensor | None = None      # [Bd * maxq] bool
+    dec_slots: torch.Tensor | None = None      # [Bd, maxctx] long: context slots (pad: 0)
+    dec_mask: torch.Tensor | None = None       # [Bd, 1, maxq, maxctx] bool: may attend
+    dec_shape: tuple[int, int, int] = (0, 0, 0)  # Bd, maxq, maxctx
+    # long rows: (token_start, q_len, ctx_len, slots [ctx] or None if no cached context)
+    prefill_rows: list = field(default_factory=list)
+    prefill_masks: list = field(default_factory=list)
+    # flash-attn varlen inputs
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
+
+
+def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
+                   sliding_window: int | None = None, backend: str = "torch"):
+    """rows: list of (num_computed, q_len) per sequence, in the order their tokens appear in
+    the flat batch; block_tables: each sequence's block ids. Index arithmetic is vectorised
+    on the host, then moved to `device` once."""
+    R = len(rows)
+    n = torch.tensor([r[0] for r in rows], dtype=torch.long)
+    qlen = torch.tensor([r[1] for r in rows], dtype=torch.long)
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+    starts = torch.cumsum(qlen, 0) - qlen
+    T = int(qlen.sum())
+    row_of = torch.repeat_interleave(torch.arange(R), qlen)                     # [T]
+    pos = torch.arange(T) - starts[row_of] + n[row_of]                          # [T]
+    slot_mapping = tables[row_of, pos // block_size] * block_size + pos % block_size
+    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device))
+    if backend == "flash":
+        return _flash_metadata(meta, qlen, n + qlen, tables, device)
+
+    def ctx_slots(rows_idx, maxctx):  # [len(rows_idx), maxctx] slots of positions 0..maxctx-1
+        p = torch.arange(maxctx)
+        blk = (p // block_size).clamp(max=width - 1)
+        return tables[rows_idx][:, blk] * block_size + p % block_size
+
+    is_dec = qlen <= DECODE_MAX_Q
+    dec = torch.nonzero(is_dec).flatten()
+    if len(dec):
+        dn, dq = n[dec], qlen[dec]
+        maxq, maxctx = int(dq.max()), int((dn + dq).max())
+        j = torch.arange(maxq)
+        valid = j[None, :] < dq[:, None]                                        # [Bd, maxq]
+        tok = torch.where(valid, starts[dec][:, None] + j[None, :], 0)
+        qpos = torch.where(valid, dn[:, None] + j[None, :], -1)[:, None, :, None]
+        kpos = torch.arange(maxctx)[None, None, None, :]
+        mask = (kpos <= qpos)
+        if sliding_window is not None:
+            mask &= kpos > qpos - sliding_window
+        mask |= (qpos < 0) & (kpos == 0)  # padded query rows attend somewhere (ignored)
+        meta.dec_token_idx = tok.flatten().to(device)
+        meta.dec_valid = valid.flatten().to(device)
+        meta.dec_slots = ctx_slots(dec, maxctx).to(device)
+        meta.dec_mask = mask.to(device)
+        meta.dec_shape = (len(dec), maxq, maxctx)
+    for i in torch.nonzero(~is_dec).flatten().tolist():
+        ni, qi = int(n[i]), int(qlen[i])
+        use_causal = ni == 0 and (sliding_window is None or qi <= sliding_window)
+        slots = None if use_causal else ctx_slots(torch.tensor([i]), ni + qi)[0].to(device)
+        meta.prefill_rows.append((int(starts[i]), qi, ni + qi, slots))
+        mask = None
+        if not use_causal:
+            qp = torch.arange(ni, ni + qi)[:, None]
+            kp = torch.arange(ni + qi)[None, :]
+            mask = kp <= qp
+            if sliding_window is not None:
+                mask &= kp > qp - sliding_window
+            mask = mask.to(device)
+        meta.prefill_masks.append(mask)
+    return meta
+
+
+def _flash_metadata(meta, qlen, kvlen, tables, device):
+    meta.cu_seqlens_q = F.pad(torch.cumsum(qlen, 0), (1, 0)).to(torch.int32).to(device)
+    meta.cu_seqlens_k = F.pad(torch.cumsum(kvlen, 0), (1, 0)).to(torch.int32).to(device)
+    meta.block_tables = tables.to(torch.int32).to(device)
+    meta.max_q = int(qlen.max())
+    meta.max_k = int(kvlen.max())
+    return meta
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    backend: str = "torch", block_size: int = 16, sliding_window=None):
+    """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_slots, Hkv, D]. Writes k/v into the cache
+    and returns attention output [T, Hq, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if backend == "flash":
+        return _flash_attention(q, k_cache, v_cache, meta, scale, block_size, sliding_window)
+    out = torch.empty_like(q)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if meta.dec_token_idx is not None:
+        B, maxq, maxctx = meta.dec_shape
+        qd = q.index_select(0, meta.dec_token_idx).view(B, maxq, Hq, D).transpose(1, 2)
+        flat = meta.dec_slots.view(-1)
+        kd = k_cache.index_select(0, flat).view(B, maxctx, Hkv, D).transpose(1, 2)
+        vd = v_cache.index_select(0, flat).view(B, maxctx, Hkv, D).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask, scale=scale,
+                                            enable_gqa=Hq != Hkv)
+        od = od.transpose(1, 2).reshape(B * maxq, Hq, D)
+        out[meta.dec_token_idx[meta.dec_valid]] = od[meta.dec_valid]
+    for (start, qlen, ctx, slots), mask in zip(meta.prefill_rows, meta.prefill_masks):
+        qp = q[start:start + qlen].transpose(0, 1).unsqueeze(0)       # [1, Hq, q, D]
+        if slots is None:
+            kp = k[start:start + qlen].transpose(0, 1).unsqueeze(0)
+            vp = v[start:start + qlen].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                               enable_gqa=Hq != Hkv)
+        else:
+            kp = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            vp = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
+                                               enable_gqa=Hq != Hkv)
+        out[start:start + qlen] = o[0].transpose(0, 1)
+    return out
+
+
+def flash_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _flash_attention(q, k_cache, v_cache, meta, scale, block_size, sliding_window):
+    from flash_attn import flash_attn_varlen_func
+    nb = k_cache.shape[0] // block_size
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+    return flash_attn_varlen_func(
+        q, k_cache.view(nb, block_size, *k_cache.shape[1:]),
+        v_cache.view(nb, block_size, *v_cache.shape[1:]),
+        cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_q, cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_k=meta.max_k, softmax_scale=scale, causal=True, window_size=window,
+        block_table=meta.block_tables)

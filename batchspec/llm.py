@@ -1,0 +1,155 @@
+"""Offline API: LLM(...).generate(prompts, params) -> list[RequestOutput]."""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+from batchspec.config import EngineConfig
+from batchspec.engine.engine import Engine
+from batchspec.engine.sequence import Sequence
+from batchspec.sampling import SamplingParams
+from batchspec.spec.stats import acceptance_record
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str            # stop | length | abort
+    domain: str | None = None
+    draft: str | None = None      # the draft (path or "ngram") that served it; None: plain
+    latency_s: float = 0.0
+    stats: dict = field(default_factory=dict)  # the acceptance record (DESIGN.md)
+
+
+class LLM:
+    def __init__(self, model: str, drafts: dict[str, str] | None = None,
+                 num_speculative_tokens: int = 4, confidence_threshold: float = 0.0,
+                 device: str = "auto", dtype: str = "auto", seed: int = 0, **kwargs):
+        config = EngineConfig(model=model, drafts=drafts or {},
+                              num_speculative_tokens=num_speculative_tokens,
+                              confidence_threshold=confidence_threshold, device=device,
+                              dtype=dtype, seed=seed, **kwargs)
+        self._init(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        self = cls.__new__(cls)
+        self._init(config)
+        return self
+
+    def _init(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._cost = {name: (p.num_params / self.engine.target.num_params)
+                      for name, p in self.engine.proposers.items()}
+
+    # ---- inputs ------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """str | list[int] | list[{"role", "content"}] -> token ids (chat template for
+        messages). Raises ValueError saying what is wrong with the prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            self._need_tokenizer()
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict)
+                                                                 for m in prompt):
+            self._need_tokenizer()
+            if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in prompt):
+                raise ValueError("messages need string 'role' and 'content'")
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise ValueError("the model's tokenizer has no chat template for messages")
+            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                     tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return list(ids)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not
+                                                    isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("empty prompt")
+            return list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a list of "
+                         f"messages, got {type(prompt).__name__}")
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer files: give "
+                             f"token-id prompts")
+
+    # ---- generation --------------------------------------------------------------------
+    def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 domains: Seq[str | None] | None = None, use_tqdm: bool = True,
+                 request_ids: Seq[str] | None = None,
+                 should_abort: Callable[[], bool] | None = None,
+                 on_progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        n = len(prompts)
+        if params is None:
+            params = SamplingParams()
+        params = [params] * n if isinstance(params, SamplingParams) else list(params)
+        domains = [None] * n if domains is None else list(domains)
+        ids = [str(i) for i in range(n)] if request_ids is None else [str(r) for r in request_ids]
+        if not (len(params) == len(domains) == len(ids) == n):
+            raise ValueError("params, domains and request_ids must match prompts in length")
+        token_ids = []
+        for i, p in enumerate(prompts):
+            try:
+                token_ids.append(self.encode(p))
+            except ValueError as e:
+                raise ValueError(f"prompt {i} ({ids[i]}): {e}") from None
+            if len(token_ids[-1]) >= self.max_model_len:
+                raise ValueError(f"prompt {i} ({ids[i]}) has {len(token_ids[-1])} tokens; the "
+                                 f"context holds {self.max_model_len}")
+        seqs = [self.engine.add_request(t, p, r, d)
+                for t, p, r, d in zip(token_ids, params, ids, domains)]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=n, desc="generate", unit="req", file=sys.stderr, dynamic_ncols=True)
+        done = generated = 0
+        t0 = time.perf_counter()
+        try:
+            while self.engine.has_unfinished():
+                if should_abort is not None and should_abort():
+                    self.engine.abort_all()
+                    break
+                finished, num_tokens = self.engine.step()
+                done += len(finished)
+                generated += num_tokens
+                if bar is not None:
+                    bar.update(len(finished))
+                    bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - t0):.0f}")
+                if on_progress is not None:
+                    on_progress(done, generated)
+        finally:
+            if bar is not None:
+                bar.close()
+            if self.engine.has_unfinished():  # interrupted: leave the engine clean
+                self.engine.abort_all()
+        return [self._output(s) for s in seqs]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        c = self.config
+        name = seq.spec.draft
+        draft_path = c.drafts.get(name) if name else None
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if seq.stop_text_len is not None:
+                text = text[:seq.stop_text_len]
+        stats = acceptance_record(
+            seq, target=c.model, draft_path=draft_path,
+            k_max=c.num_speculative_tokens if name else 0,
+            confidence_threshold=c.confidence_threshold,
+            cost_ratio=self._cost.get(name, 0.0) if name else 0.0)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason or "abort",
+            domain=seq.domain, draft=draft_path, latency_s=stats["wall_s"], stats=stats)

@@ -1,0 +1,125 @@
+"""Load a Hugging Face model directory: config.json, *.safetensors, tokenizer files.
+
+No repository code is executed (no trust_remote_code) and pickle checkpoints are refused."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass
+class ModelConfig:
+    """The subset of a HF config the Llama-family forward needs."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool         # q/k/v biases (Qwen2 always, Llama optional)
+    qk_norm: bool                # per-head RMSNorm on q and k (Qwen3)
+    sliding_window: int | None
+    eos_token_ids: list[int]
+    hidden_act: str
+
+
+def read_config(path: str) -> ModelConfig:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path!r} has no config.json: give a Hugging Face model directory")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"{path!r}: architecture {archs or raw.get('model_type')} is not "
+                         f"supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{path!r}: hidden_act {act!r} is not supported (silu only)")
+    num_heads = raw["num_attention_heads"]
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"{path!r}: RoPE type {rope_type!r} is not supported "
+                         f"(default, linear, llama3)")
+    eos = raw.get("eos_token_id")
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    gen_cfg = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_cfg):
+        with open(gen_cfg) as f:
+            g = json.load(f).get("eos_token_id")
+        if g is not None:
+            eos_ids = sorted(set(eos_ids) | set([g] if isinstance(g, int) else g))
+    sliding = raw.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        sliding = None
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        sliding = None if not raw.get("use_sliding_window", False) else sliding
+    return ModelConfig(
+        architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        num_layers=raw["num_hidden_layers"], num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta, rope_scaling=None if rope_type == "default" else rope,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+        qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding, eos_token_ids=eos_ids,
+        hidden_act=act)
+
+
+def load_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
+            raise ValueError(f"{path!r} holds only pickle checkpoints (*.bin/*.pt), which are "
+                             f"not loaded for safety; convert them to *.safetensors")
+        raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
+
+
+def load_tokenizer(path: str):
+    """The model's HF tokenizer, or None when the directory has no tokenizer files."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+def num_parameters(path: str) -> int:
+    from safetensors import safe_open
+    total = 0
+    for f in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                total += _prod(st.get_slice(k).get_shape())
+    return total
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,100 @@
+"""Proposers: where draft tokens come from.
+
+- DraftModelProposer: a small model with its own paged KV cache (indexed by the target's block
+  tables). One batched forward per draft step over every row it serves; a row stops drafting
+  at the first step where the draft's probability of its own token is below the confidence
+  threshold τ (draft state only, so sampling stays exact).
+- NgramProposer: prompt lookup (copy the continuation of the longest recent suffix match in
+  prompt + output); deterministic drafts, so q is one-hot (draft_probs None).
+
+Both return, per row, the draft token ids and (model drafts) their probabilities q [n, V]:
+the proposer and the verifier meet through that data only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.sequence import Sequence
+from batchspec.layers.sampler import filtered_probs
+from batchspec.spec.rng import STREAM_DRAFT, uniform
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    probs: torch.Tensor | None      # [n, V] fp32 draft distribution q, None: one-hot
+    stopped_by_confidence: bool = False
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner, confidence_threshold: float):
+        self.runner = runner
+        self.threshold = confidence_threshold
+        self.num_params = runner.num_params
+
+    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
+        """rows: (seq, max_drafts >= 1). Brings each row's draft KV up to date, then drafts
+        up to max_drafts tokens per row, all rows in one forward per draft step."""
+        out = [Proposal([], None) for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        active = list(range(len(rows)))
+        feed = [seq.token_ids[seq.spec.num_draft_computed:] for seq, _ in rows]
+        step = 0
+        while active:
+            seqs = [rows[i][0] for i in active]
+            logits = self.runner.forward(
+                [feed[i] for i in active], [s.spec.num_draft_computed for s in seqs],
+                [s.block_table for s in seqs], [1] * len(active))       # [A, V]
+            for s, i in zip(seqs, active):
+                s.spec.num_draft_computed += len(feed[i])
+            temps = torch.tensor([s.params.temperature for s in seqs])
+            q = filtered_probs(logits, temps, [s.params.top_k for s in seqs],
+                               [s.params.top_p for s in seqs])         # [A, V]
+            greedy = temps == 0
+            u = uniform(torch.tensor([s.seed for s in seqs]),
+                        torch.tensor([s.num_output_tokens for s in seqs]),
+                        torch.full((len(seqs),), step), STREAM_DRAFT)
+            cdf = torch.cumsum(q, dim=-1)
+            sampled = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+            tokens = torch.where(greedy, logits.argmax(-1), sampled.clamp(max=q.shape[-1] - 1))
+            # confidence: the draft's probability of its own token (greedy rows: at T=1)
+            conf = q.gather(1, tokens[:, None]).squeeze(1)
+            still = []
+            for a, i in enumerate(active):
+                if self.threshold > 0 and conf[a] < self.threshold:
+                    out[i].stopped_by_confidence = True
+                    continue
+                out[i].token_ids.append(int(tokens[a]))
+                probs[i].append(q[a])
+                if len(out[i].token_ids) < rows[i][1]:
+                    feed[i] = [int(tokens[a])]
+                    still.append(i)
+            active = still
+            step += 1
+        for i, p in enumerate(probs):
+            if p:
+                out[i].probs = torch.stack(p)
+        return out
+
+
+class NgramProposer:
+    num_params = 0
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
+        return [Proposal(self.lookup(seq.token_ids, k), None) for seq, k in rows]
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Continuation (<= k tokens) after the most recent earlier occurrence of the longest
+        suffix of `tokens` of length max_n..min_n."""
+        n_tok = len(tokens)
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = tokens[n_tok - n:]
+            for start in range(n_tok - n - 1, -1, -1):
+                if tokens[start:start + n] == suffix:
+                    return tokens[start + n:start + n + k]
+        return []
