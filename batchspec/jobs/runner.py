@@ -69,7 +69,8 @@ def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
                             [r.params for r in requests],
                             domains=[r.domain for r in requests],
                             request_ids=[r.id for r in requests],
-                            should_abort=should_abort, on_progress=on_progress)
+                            should_abort=should_abort, on_progress=on_progress,
+                            use_tqdm=False)
     if any(o.finish_reason == "abort" for o in outs):
         # Cancelled mid-shard: write nothing, the shard stays not done.
         return ShardResult(shard.id, "aborted", wall_s=time.perf_counter() - t0)
