@@ -151,16 +151,16 @@ def test_poison_shard_fails_after_max_attempts(worker, redis_server, store, tiny
 
 @pytest.mark.slow
 def test_cancel_stops_the_job(worker, redis_server, store, tiny_llama, tmp_path):
-    path = write_rows(tmp_path / "c.parquet", [f"row {i}" for i in range(8)], [200] * 8)
+    path = write_rows(tmp_path / "c.parquet", [f"row {i}" for i in range(8)], [120] * 8)
     out = tmp_path / "out"
     r = batchspec(redis_server, "submit", path, "-o", out, "--model", tiny_llama,
                   "--shard-size", 1)
     job_id = r.stdout.strip().splitlines()[-1]
     wait_until(lambda: "completed" in store.shard_states(job_id).values(), 120,
                "a first shard to complete", 0.05)
-    r = batchspec(redis_server, "cancel", job_id)
+    r = CliRunner().invoke(cli, ["cancel", job_id, "--broker", redis_server])
     cancelled_at = dt.datetime.now(dt.UTC)
-    assert r.returncode == 0 and r.stdout.strip() == "cancelling", r.stderr
+    assert r.exit_code == 0 and r.stdout.strip() == "cancelling", r.output
     job = wait_job(store, job_id)
     assert job["state"] == "cancelled"
     states, info = store.shard_states(job_id), store.shard_info(job_id)
@@ -213,7 +213,9 @@ def test_kill_9_mid_shard_then_new_worker(start_worker, redis_server, tiny_llama
     store = JobStore(url)
     env = {"BATCHSPEC_VISIBILITY_TIMEOUT": "4"}
     victim = start_worker("victim", url=url, **env)
-    path = write_rows(tmp_path / "k.parquet", [f"row {i}" for i in range(6)], [300] * 6)
+    # The first shard is long enough to be caught generating; the others are quick.
+    path = write_rows(tmp_path / "k.parquet", [f"row {i}" for i in range(6)],
+                      [200, 200, 8, 8, 8, 8])
     out = tmp_path / "out"
     job_id = batchspec(url, "submit", path, "-o", out, "--model", tiny_llama,
                        "--shard-size", 2).stdout.strip().splitlines()[-1]

@@ -126,3 +126,42 @@ def test_unknown_yaml_setting(tmp_path, tiny_llama):
     (tmp_path / "job.yaml").write_text(f"model: {tiny_llama}\nmax_tokenz: 3\n")
     result = run_cli("run", "in.parquet", "-o", tmp_path, "--config", tmp_path / "job.yaml")
     assert result.exit_code == 1 and "max_tokenz" in result.stderr
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name,columns", [
+    ("nightly_summarization", {"id": ["d1", "d2"], "title": ["Rain", "Sun"],
+                               "text": ["It rained all day.", "The sun was out."]}),
+    ("rag_pregen", {"id": ["q1"], "question": ["Who wrote it?"],
+                    "context": ["It was written by Ada."]}),
+])
+def test_job_definitions_run(name, columns, tmp_path, monkeypatch, tiny_llama):
+    import datetime as dt
+
+    import pyarrow.parquet as pq
+
+    from batchspec.jobs.spec import load_yaml
+    config = os.path.join(ROOT, "jobs", f"{name}.yaml")
+    monkeypatch.chdir(tmp_path)
+    values = load_yaml(config, dt.datetime.now(dt.UTC))
+    folder = os.path.dirname(values["inputs"][0])
+    os.makedirs(folder)
+    pq.write_table(pa.table(columns), os.path.join(folder, "questions-1.parquet"))
+    result = run_cli("run", "--config", config, "--model", tiny_llama, "--max-tokens", 4)
+    assert result.exit_code == 0, result.output
+    outputs = read_dir(tmp_path / values["output"], "outputs")
+    assert sorted(outputs.column("id").to_pylist()) == sorted(columns["id"])
+
+
+def test_schedules_parse():
+    import datetime as dt
+
+    from batchspec.jobs.schedule import parse_schedule
+    assert parse_schedule("every 2s") == dt.timedelta(seconds=2)
+    cron = parse_schedule("30 2 * * *")
+    assert cron.hour == {2} and cron.minute == {30}
+    for bad in ("every 2 weeks", "30 2 * *", "61 * * * *"):
+        with pytest.raises(ValueError, match="schedule"):
+            parse_schedule(bad)

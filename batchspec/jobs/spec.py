@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import secrets
 from dataclasses import dataclass, field
 
@@ -52,6 +53,8 @@ class JobSpec:
             raise ValueError("a job needs at least one input (Parquet path, glob or URL)")
         if not self.output:
             raise ValueError("a job needs an output directory (-o/--output)")
+        if "://" not in self.output:  # workers may run in another directory
+            self.output = os.path.abspath(self.output)
         self.drafts = parse_drafts(self.drafts)
         if self.model is None:
             self._use_demo_models()
