@@ -63,6 +63,32 @@ def redis_server(tmp_path_factory):
         proc.wait(10)
 
 
+@pytest.fixture(scope="session")
+def redis_sentinel(redis_server, tmp_path_factory):
+    """sentinel:// URL of a Redis Sentinel watching redis_server as master 'mymaster'."""
+    import redis
+    port, master_port = free_port(), int(redis_server.rsplit(":", 1)[1].split("/")[0])
+    folder = tmp_path_factory.mktemp("sentinel")
+    conf = folder / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+                    f"sentinel monitor mymaster 127.0.0.1 {master_port} 1\n")
+    proc = subprocess.Popen([REDIS_SERVER, str(conf), "--sentinel"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host="127.0.0.1", port=port)
+
+    def up():
+        try:
+            return client.execute_command("SENTINEL", "get-master-addr-by-name", "mymaster")
+        except redis.ConnectionError:
+            return False
+    try:
+        wait_until(up, 20, "redis sentinel to know the master")
+        yield f"sentinel://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 class Worker:
     """`batchspec worker` in its own process group, logging to a file."""
 

@@ -118,6 +118,17 @@ def test_resubmit_runs_only_missing_shards(submitted, redis_server, inputs, mode
     assert (job["requests_completed"], job["requests_failed"]) == (10, 5)
 
 
+def test_submit_through_sentinel(worker, redis_sentinel, store, tiny_llama, tmp_path):
+    # Client side through Sentinel; the worker is on the same master, by its plain URL.
+    path = write_rows(tmp_path / "s.parquet", ["hello", "world"], [3, 3])
+    r = batchspec(redis_sentinel, "submit", path, "-o", tmp_path / "out", "--model",
+                  tiny_llama, "--wait")
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().splitlines()[-1]
+    assert store.get(job_id)["state"] == "completed"
+    assert JobStore(redis_sentinel).get(job_id)["requests_completed"] == 2
+
+
 def child_of(pid: int, parent: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1]) == parent

@@ -24,12 +24,19 @@ def visibility_timeout() -> int:
     return int(os.environ.get("BATCHSPEC_VISIBILITY_TIMEOUT", 6 * 3600))
 
 
+def master_name() -> str:
+    """Name of the Redis master that Sentinel watches (sentinel:// URLs only)."""
+    return os.environ.get("BATCHSPEC_REDIS_MASTER", "mymaster")
+
+
 def configure(app: Celery, url: str) -> None:
     vt = visibility_timeout()
     transport = {"visibility_timeout": vt,
                  # Sweep for tasks of dead workers often enough relative to vt.
                  "unacked_restore_interval": max(1, min(60, vt // 4)),
                  "unacked_restore_throttle": 1}
+    if url.startswith("sentinel://"):
+        transport["master_name"] = master_name()
     app.conf.update(
         broker_url=url,
         result_backend=url,

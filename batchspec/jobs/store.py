@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import urllib.parse
 
 import redis
 
@@ -63,13 +64,29 @@ return s
 """
 
 
+def redis_client(url: str) -> redis.Redis:
+    """A client for redis://, rediss://, unix:// URLs, or for the master behind Redis
+    Sentinel: 'sentinel://host1:26379/0;sentinel://host2:26379/0' (the same URL Celery
+    takes; the master's name comes from BATCHSPEC_REDIS_MASTER)."""
+    if not url.startswith("sentinel://"):
+        return redis.Redis.from_url(url, decode_responses=True)
+    from redis.sentinel import Sentinel
+
+    from batchspec.jobs.celery_app import master_name
+    parts = [urllib.parse.urlparse(p.strip()) for p in url.split(";") if p.strip()]
+    db = int(parts[0].path.strip("/") or 0)
+    sentinel = Sentinel([(p.hostname, p.port or 26379) for p in parts], socket_timeout=5)
+    return sentinel.master_for(master_name(), db=db, password=parts[0].password,
+                               decode_responses=True)
+
+
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
 class JobStore:
     def __init__(self, url: str):
-        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.r = redis_client(url)
         self._start = self.r.register_script(_START)
         self._finish = self.r.register_script(_FINISH)
         self._cancel = self.r.register_script(_CANCEL)
