@@ -4,6 +4,7 @@ and `run` == `submit`."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import os
 import signal
@@ -79,7 +80,7 @@ def test_submit_three_files_with_bad_rows(submitted, redis_server):
     outputs, errors = read_dir(out, "outputs"), read_dir(out, "errors")
     assert sorted(outputs.column("id").to_pylist()) == sorted(GOOD_IDS)  # each exactly once
     assert dict(zip(errors.column("id").to_pylist(),
-                    errors.column("error_type").to_pylist())) == BAD_ROWS
+                    errors.column("error_type").to_pylist(), strict=True)) == BAD_ROWS
     assert all(m for m in errors.column("message").to_pylist())
     assert (status["requests_completed"], status["requests_failed"]) == (len(outputs), len(errors))
     assert status["requests_total"] == 15
@@ -142,9 +143,13 @@ def test_poison_shard_fails_after_max_attempts(worker, redis_server, store, tiny
     r = batchspec(redis_server, "submit", path, "-o", tmp_path / "out", "--model", tiny_llama,
                   "--shard-size", 2, "--max-attempts", 2)
     job_id = r.stdout.strip().splitlines()[-1]
+
+    def running(attempt: int):
+        info = store.shard_info(job_id).get("00001", {})
+        return info.get("attempt") == attempt and not info.get("outcome") and info
+
     for attempt in (1, 2):
-        info = wait_until(lambda: (i := store.shard_info(job_id).get("00001", {})).get(
-            "attempt") == attempt and not i.get("outcome") and i, 120, f"attempt {attempt}", 0.02)
+        info = wait_until(functools.partial(running, attempt), 120, f"attempt {attempt}", 0.02)
         assert child_of(info["pid"], worker.proc.pid)
         os.kill(info["pid"], signal.SIGKILL)
     job = wait_job(store, job_id)
@@ -158,6 +163,10 @@ def test_poison_shard_fails_after_max_attempts(worker, redis_server, store, tiny
     assert sorted(read_dir(tmp_path / "out", "outputs").column("id").to_pylist()) == [
         "p0", "p1", "p4", "p5"]
     assert (job["shards_failed"], job["requests_failed"], job["requests_completed"]) == (1, 2, 4)
+    status = json.loads(CliRunner().invoke(cli, ["status", job_id, "--json", "--broker",
+                                                 redis_server]).stdout)
+    assert status["shards"]["00001"]["state"] == "failed"
+    assert "2 attempts" in status["shards"]["00001"]["error"]
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ def test_run_writes_outputs_errors_acceptance(job_out):
     assert records.schema == ACCEPTANCE_SCHEMA
     assert sorted(outputs.column("id").to_pylist()) == sorted(GOOD_IDS)
     assert dict(zip(errors.column("id").to_pylist(),
-                    errors.column("error_type").to_pylist())) == BAD_ROWS
+                    errors.column("error_type").to_pylist(), strict=True)) == BAD_ROWS
     rows = outputs.to_pylist()
     for row in rows:
         assert 1 <= row["num_output_tokens"] == len(row["token_ids"]) <= 6

@@ -9,9 +9,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchspec.io.rows import check_columns, derived_seed, prepare_requests, row_ids
-from batchspec.io.shards import (Shard, expand_inputs, plan_shards, read_shard,
-                                 remove_stale_temps, split_row_groups, write_atomic,
-                                 write_table_atomic)
+from batchspec.io.shards import (
+    Shard,
+    expand_inputs,
+    plan_shards,
+    read_shard,
+    remove_stale_temps,
+    split_row_groups,
+    write_atomic,
+    write_table_atomic,
+)
 from tests.jobdata import BAD_ROWS, make_inputs
 
 

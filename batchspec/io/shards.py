@@ -121,7 +121,7 @@ def plan_shards(files: list[str], shard_size: int,
     if shard_size < 1:
         raise ValueError("shard_size must be >= 1")
     shards: list[Shard] = []
-    for path, source in zip(files, _sources(files)):
+    for path, source in zip(files, _sources(files), strict=True):
         pf = _open_parquet(path)
         if check_schema is not None:
             check_schema(path, pf.schema_arrow)

@@ -172,7 +172,12 @@ def submit(ctx, config, wait, quiet, **options):
 @click.pass_context
 def status(ctx, job_id, as_json):
     """State, counts and throughput of a job."""
-    job = _get_job(_store(ctx), job_id)
+    store = _store(ctx)
+    job = _get_job(store, job_id)
+    # Where running and failed shards are (host, pid, attempt, error): where to look.
+    info, states = store.shard_info(job_id), store.shard_states(job_id)
+    job["shards"] = {s: {"state": st, **info.get(s, {})} for s, st in sorted(states.items())
+                     if st in ("running", "failed")}
     if as_json:
         click.echo(json.dumps(job, indent=2, sort_keys=True))
         return
@@ -222,6 +227,7 @@ def cancel(ctx, job_id):
 def worker(ctx, device, concurrency, pool, loglevel, hostname):
     """Start a Celery worker that runs shards."""
     import os
+
     from batchspec.jobs.celery_app import QUEUE, use_broker
     if device:
         os.environ["BATCHSPEC_DEVICE"] = device  # read by the pool's children

@@ -18,8 +18,15 @@ import pyarrow as pa
 
 from batchspec.io.rows import check_columns, prepare_requests, row_ids
 from batchspec.io.schema import ACCEPTANCE_SCHEMA, ERROR_SCHEMA, OUTPUT_SCHEMA
-from batchspec.io.shards import (Shard, expand_inputs, output_fs, plan_shards, read_shard,
-                                 remove_stale_temps, write_table_atomic)
+from batchspec.io.shards import (
+    Shard,
+    expand_inputs,
+    output_fs,
+    plan_shards,
+    read_shard,
+    remove_stale_temps,
+    write_table_atomic,
+)
 from batchspec.jobs.spec import JobSpec, new_job_id
 from batchspec.jobs.summary import clear_success, finalize, shard_counts, shard_path
 
@@ -142,7 +149,7 @@ def run_local(spec: JobSpec, progress: bool = True, llm=None) -> dict:
     for shard in todo:
         done, tok0 = bar.base, tokens
         result = run_shard(spec, shard, llm, job_id=job_id,
-                           on_progress=lambda n, t: bar.update(done, tok0, n, t))
+                           on_progress=lambda n, t, d=done, t0=tok0: bar.update(d, t0, n, t))
         tokens += result.num_tokens
         bar.advance(shard.num_rows)
     bar.close()
