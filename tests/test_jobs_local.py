@@ -85,6 +85,17 @@ def test_rerun_runs_only_missing_shards(job_out, inputs, tiny_llama, tiny_draft)
     assert json.loads((out / "_job.json").read_text())["shards_run"] == []
 
 
+def test_output_dir_of_another_job_is_refused(job_out, inputs, tiny_llama):
+    out, _ = job_out
+    before = sorted(os.listdir(out / "outputs"))
+    common = [*inputs, "-o", out, "--model", tiny_llama, "--seed", 3]
+    result = run_cli("run", *common, "--max-tokens", 7, "--shard-size", 2)
+    assert result.exit_code == 1 and "other max_tokens" in result.stderr
+    result = run_cli("run", *common, "--max-tokens", 6, "--shard-size", 3)
+    assert result.exit_code == 1 and "other inputs or shard size" in result.stderr
+    assert sorted(os.listdir(out / "outputs")) == before and (out / "_SUCCESS").exists()
+
+
 def test_plain_decoding_yaml_template_chat(tmp_path, tiny_llama):
     rows = pa.table({"question": ["What is two?", "Why?"], "context": ["Two is 2.", "No."]})
     import pyarrow.parquet as pq

@@ -138,6 +138,13 @@ def test_generated_ids_and_seeds_are_stable(tokenizer):
     assert derived_seed(7, "in:10") == derived_seed(7, "in:10") != derived_seed(8, "in:10")
 
 
+def test_duplicate_ids(tokenizer):
+    requests, errors = prepare(pa.table({"id": ["x", "y", "x"], "prompt": ["a", "b", "c"]}),
+                               tokenizer)
+    assert [r.id for r in requests] == ["x", "y"]
+    assert [(e["id"], e["error_type"]) for e in errors] == [("x", "duplicate_id")]
+
+
 def test_template_and_chat(tokenizer):
     table = pa.table({"question": ["Why?", None], "context": ["Because.", "x"]})
     requests, errors = prepare(table, tokenizer, template="Q: {question}\nC: {context}\nA:")

@@ -132,9 +132,13 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict, seed: int
     `sampling` holds the job's SamplingParams fields; a row's non-null overrides win."""
     requests: list[Request] = []
     errors: list[dict] = []
+    seen: set[str] = set()
     for i, row in enumerate(table.to_pylist()):
         rid = _row_id(row, shard, i)
         try:
+            if rid in seen:
+                raise RowError("duplicate_id", f"id {rid!r} appears more than once")
+            seen.add(rid)
             fields = dict(sampling)
             for name in OVERRIDES:
                 if row.get(name) is not None:

@@ -28,7 +28,7 @@ from batchspec.io.shards import (
     write_table_atomic,
 )
 from batchspec.jobs.spec import JobSpec, new_job_id
-from batchspec.jobs.summary import clear_success, finalize, shard_counts, shard_path
+from batchspec.jobs.summary import claim_output, finalize, shard_counts, shard_path
 
 
 @dataclass
@@ -41,11 +41,14 @@ class ShardResult:
     wall_s: float = 0.0
 
 
-def plan(spec: JobSpec) -> list[Shard]:
-    """The job's shards; raises before anything runs for missing or unusable inputs."""
+def start_job(spec: JobSpec) -> list[Shard]:
+    """The job's shards, with the output directory claimed for them. Raises before anything
+    runs for missing or unusable inputs, or an output directory of another job."""
     files = expand_inputs(spec.inputs)
-    return plan_shards(files, spec.shard_size,
-                       check_schema=lambda path, schema: check_columns(path, schema, spec.template))
+    shards = plan_shards(files, spec.shard_size, check_schema=lambda path, schema:
+                         check_columns(path, schema, spec.template))
+    claim_output(spec.to_dict(), shards)
+    return shards
 
 
 def is_done(spec: JobSpec, shard: Shard) -> bool:
@@ -135,8 +138,7 @@ def run_local(spec: JobSpec, progress: bool = True, llm=None) -> dict:
     """`batchspec run`: every missing shard in this process, then finalize. Returns the
     `_job.json` document."""
     job_id = spec.job_id or new_job_id(spec.name)
-    shards = plan(spec)
-    clear_success(spec.output)
+    shards = start_job(spec)
     timings = {"started_at": utcnow()}
     t0 = time.perf_counter()
     todo = [s for s in shards if not is_done(spec, s)]

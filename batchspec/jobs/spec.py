@@ -58,6 +58,9 @@ class JobSpec:
         self.drafts = parse_drafts(self.drafts)
         if self.model is None:
             self._use_demo_models()
+        # Absolute model paths: workers and resumed runs may start in another directory.
+        self.model = _absolute(self.model)
+        self.drafts = {d: _absolute(p) for d, p in self.drafts.items()}
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
         if self.max_attempts < 1:
@@ -118,6 +121,10 @@ class JobSpec:
                 continue
             values[key] = list(value) if isinstance(value, tuple) else value
         return cls.from_dict(values)
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(path) if os.path.isdir(path) else path
 
 
 def parse_drafts(drafts) -> dict[str, str]:

@@ -194,6 +194,17 @@ class JobStore:
                 job[k] = json.loads(job[k])
         return job
 
+    def expire(self, job_id: str, seconds: int) -> None:
+        """Let an ended job's keys go after `seconds` (its files stay in OUT)."""
+        pipe = self.r.pipeline()
+        for part in ("", "plan", "state", "info", "attempts", "progress"):
+            pipe.expire(self._key(job_id, part), seconds)
+        pipe.execute()
+
     def recent(self, limit: int = 20) -> list[dict]:
         ids = self.r.zrevrange(PREFIX + "jobs", 0, limit - 1)
-        return [j for j in (self.get(i) for i in ids) if j is not None]
+        jobs = {i: self.get(i) for i in ids}
+        gone = [i for i, j in jobs.items() if j is None]
+        if gone:  # expired records
+            self.r.zrem(PREFIX + "jobs", *gone)
+        return [j for j in jobs.values() if j is not None]

@@ -1,9 +1,9 @@
-"""The end of a job: counts and acceptance summary read back from the files written, then
-`_job.json` and (when the job succeeded) `_SUCCESS`.
+"""Job-level files of an output directory: `_plan.json` (what the directory holds, so a
+different job is never resumed into it), and at the end `_job.json` and `_SUCCESS`.
 
-Counting from the files rather than from in-memory tallies makes a resumed job, a job
-finished by whichever Celery task completed the last shard, and a local run all report the
-same numbers for the same directory."""
+Counts and the acceptance summary are read back from the files written rather than from
+in-memory tallies, so a resumed job, a job finished by whichever Celery task completed the
+last shard, and a local run all report the same numbers for the same directory."""
 from __future__ import annotations
 
 import json
@@ -91,8 +91,30 @@ def finalize(spec_dict: dict, shards: list[Shard], *, job_id: str, timings: dict
     return doc
 
 
-def clear_success(out: str) -> None:
-    """A job (re)starting in `out` is not done until it finalizes again."""
-    fs, root = output_fs(out)
+# Settings that change what a row's output is. Drafts, k and tau are not among them:
+# speculative sampling is exact, so a job may resume with other drafts.
+OUTPUT_SETTINGS = ("model", "temperature", "top_p", "top_k", "max_tokens", "seed",
+                   "template", "chat")
+
+
+def claim_output(spec_dict: dict, shards: list[Shard]) -> None:
+    """Record the plan and output settings in OUT/_plan.json, or check that they match the
+    ones already there: resuming another job's directory would mix outputs of two jobs
+    under the same shard ids. Then clear `_SUCCESS` until the job finalizes again."""
+    fs, root = output_fs(spec_dict["output"])
+    plan = {"shards": [s.to_dict() for s in shards],
+            **{k: spec_dict[k] for k in OUTPUT_SETTINGS}}
+    path = f"{root}/_plan.json"
+    if fs.exists(path):
+        with fs.open(path, "rb") as f:
+            old = json.load(f)
+        changed = [k for k in plan if old.get(k) != plan[k]]
+        if changed:
+            what = "inputs or shard size" if changed == ["shards"] else ", ".join(changed)
+            raise ValueError(f"{spec_dict['output']} holds a job with other {what}; "
+                             f"resuming it would mix two jobs' outputs. Use another "
+                             f"output directory, or delete this one to start over")
+    else:
+        write_atomic(fs, path, json.dumps(plan, indent=1).encode())
     if fs.exists(f"{root}/_SUCCESS"):
         fs.rm(f"{root}/_SUCCESS")

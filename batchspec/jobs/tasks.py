@@ -15,10 +15,10 @@ import socket
 import time
 
 from batchspec.jobs.celery_app import app
-from batchspec.jobs.runner import fail_shard, is_done, plan, run_shard
+from batchspec.jobs.runner import fail_shard, is_done, run_shard, start_job
 from batchspec.jobs.spec import JobSpec, new_job_id
 from batchspec.jobs.store import JobStore, now_iso
-from batchspec.jobs.summary import clear_success, finalize
+from batchspec.jobs.summary import finalize
 
 log = logging.getLogger(__name__)
 ENDED = ("completed", "failed", "cancelled")
@@ -79,6 +79,7 @@ def finalize_job(job_id: str) -> dict:
                    extra={"shards_skipped": skipped})
     store.set_fields(job_id, state=doc["state"], finished_at=finished,
                      summary=doc["summary"], failed_shards=failed)
+    store.expire(job_id, int(float(os.environ.get("BATCHSPEC_JOB_TTL_DAYS", 30)) * 86400))
     return doc
 
 
@@ -133,8 +134,7 @@ def run_shard_task(self, job_id: str, shard_id: str) -> str:
 def submit_job(spec: JobSpec) -> str:
     """Store the job and enqueue one task per shard. Returns the job id."""
     spec.job_id = spec.job_id or new_job_id(spec.name)
-    shards = plan(spec)
-    clear_success(spec.output)
+    shards = start_job(spec)
     store = get_store()
     store.create(spec.job_id, spec.to_dict(), shards)
     for shard in shards:
