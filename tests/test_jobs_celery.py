@@ -7,6 +7,7 @@ import datetime as dt
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,24 @@ def test_poison_shard_fails_after_max_attempts(worker, redis_server, store, tiny
                                                  redis_server]).stdout)
     assert status["shards"]["00001"]["state"] == "failed"
     assert "2 attempts" in status["shards"]["00001"]["error"]
+
+
+def test_shard_that_raises_is_retried_then_failed(worker, redis_server, store, tiny_llama,
+                                                  tmp_path):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_llama, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    path = write_rows(tmp_path / "e.parquet", ["a", "b"], [3, 3])
+    r = batchspec(redis_server, "submit", path, "-o", tmp_path / "out", "--model", broken,
+                  "--max-attempts", 2, "--wait")
+    assert r.returncode == 1
+    job_id = r.stdout.strip().splitlines()[-1]
+    assert store.get(job_id)["state"] == "failed"
+    assert store.attempts(job_id, "00000") == 2
+    errors = read_dir(tmp_path / "out", "errors").to_pylist()
+    assert [(e["id"], e["error_type"]) for e in errors] == [("e0", "shard_failed"),
+                                                          ("e1", "shard_failed")]
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
 
 
 @pytest.mark.slow

@@ -97,10 +97,10 @@ def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
                        sum(len(o.token_ids) for o in outs), time.perf_counter() - t0)
 
 
-def fail_shard(spec: JobSpec, shard: Shard, reason: str) -> None:
-    """A shard given up on: every row goes to its errors file, so no row is lost silently.
-    Its outputs stay absent, so re-running the job tries it again."""
-    fs, root = output_fs(spec.output)
+def fail_shard(output: str, shard: Shard, reason: str) -> None:
+    """A shard given up on: every row goes to its errors file in `output`, so no row is lost
+    silently. Its outputs stay absent, so re-running the job tries it again."""
+    fs, root = output_fs(output)
     rows = [{"id": rid, "error_type": "shard_failed", "message": reason}
             for rid in row_ids(read_shard(shard), shard)]
     _write(fs, root, "errors", shard, rows, ERROR_SCHEMA)

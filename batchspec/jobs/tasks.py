@@ -95,24 +95,30 @@ def _end(job_id: str, shard_id: str, outcome: str, ok: int = 0, bad: int = 0,
 @app.task(bind=True, name="batchspec.run_shard", max_retries=None)
 def run_shard_task(self, job_id: str, shard_id: str) -> str:
     store = get_store()
+    if not store.exists(job_id):  # expired or deleted record: nothing to run it against
+        log.warning("shard %s of unknown job %s dropped", shard_id, job_id)
+        return "unknown_job"
     if store.shard_state(job_id, shard_id) in ENDED:
         # A redelivery of an ended shard; finish a finalization a crash interrupted.
         if store.get(job_id)["state"] == "finalizing":
             finalize_job(job_id)
         return "duplicate"
-    spec = JobSpec.from_dict(store.spec(job_id))
-    shard = store.shard(job_id, shard_id)
+    spec_dict, shard = store.spec(job_id), store.shard(job_id, shard_id)
+    max_attempts = spec_dict["max_attempts"]
     if store.cancel_requested(job_id):
         return _end(job_id, shard_id, "cancelled")
     attempt = store.start_attempt(job_id, shard_id)
     store.update_info(job_id, shard_id, host=socket.gethostname(), pid=os.getpid(),
                       attempt=attempt, started_at=now_iso())
-    if attempt > spec.max_attempts:
-        reason = (f"gave up after {spec.max_attempts} attempts: the worker running this "
+    if attempt > max_attempts:
+        reason = (f"gave up after {max_attempts} attempts: the worker running this "
                   f"shard died or failed each time")
-        fail_shard(spec, shard, reason)
+        fail_shard(spec_dict["output"], shard, reason)
         return _end(job_id, shard_id, "failed", bad=shard.num_rows, error=reason)
     try:
+        # Inside the try: a spec this host cannot serve (model missing here) is retried,
+        # possibly elsewhere, then failed like any other error.
+        spec = JobSpec.from_dict(spec_dict)
         llm = None if is_done(spec, shard) else get_llm(spec)
         result = run_shard(
             spec, shard, llm, job_id=job_id,
@@ -120,10 +126,10 @@ def run_shard_task(self, job_id: str, shard_id: str) -> str:
             on_progress=Every(0.5, lambda n, t: store.progress(job_id, shard_id, n, t)))
     except Exception as e:
         log.exception("shard %s of job %s failed (attempt %d)", shard_id, job_id, attempt)
-        if attempt < spec.max_attempts:
+        if attempt < max_attempts:
             raise self.retry(exc=e, countdown=min(60, 2 ** attempt)) from e
         reason = f"{type(e).__name__}: {e}"
-        fail_shard(spec, shard, reason)
+        fail_shard(spec_dict["output"], shard, reason)
         return _end(job_id, shard_id, "failed", bad=shard.num_rows, error=reason)
     if result.status == "aborted":
         return _end(job_id, shard_id, "cancelled")
