@@ -117,7 +117,7 @@ class Progress:
         from tqdm.auto import tqdm
         self.bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not enabled,
                         dynamic_ncols=True)
-        self.base = self.tokens = 0
+        self.base = 0
         self.t0 = time.perf_counter()
 
     def advance(self, n: int):
@@ -151,7 +151,7 @@ def run_local(spec: JobSpec, progress: bool = True, llm=None) -> dict:
     for shard in todo:
         done, tok0 = bar.base, tokens
         result = run_shard(spec, shard, llm, job_id=job_id,
-                           on_progress=lambda n, t, d=done, t0=tok0: bar.update(d, t0, n, t))
+                           on_progress=lambda n, t, d=done, k=tok0: bar.update(d, k, n, t))
         tokens += result.num_tokens
         bar.advance(shard.num_rows)
     bar.close()
