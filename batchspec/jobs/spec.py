@@ -81,8 +81,8 @@ class JobSpec:
         demo = demo_models()
         self.model = demo["target"]
         if not self.drafts:
-            self.drafts = {"default": demo["draft"], "code": demo["draft-code"],
-                           "docs": demo["draft-docs"]}
+            domains = {"default": "draft", "code": "draft-code", "docs": "draft-docs"}
+            self.drafts = {d: demo[k] for d, k in domains.items() if demo.get(k)}
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.sampling_fields())
