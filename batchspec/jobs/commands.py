@@ -3,7 +3,11 @@
 `run` executes a job in this process (no Redis); the others talk to Redis / Celery, whose
 URL comes from --broker or BATCHSPEC_REDIS_URL. Exit codes: 0 when the job is done (also
 with bad rows, which are listed in OUT/errors/), 1 when it failed, was cancelled, or could
-not start; every failure says what to fix."""
+not start; every failure says what to fix.
+
+Deployment settings (model, drafts, speculation, device, shard size, broker) may come from
+BATCHSPEC_* environment variables. What a job computes (inputs, sampling, template) is
+given explicitly, so a stale variable never changes a job's outputs silently."""
 from __future__ import annotations
 
 import functools
@@ -26,11 +30,14 @@ JOB_OPTIONS = [
     click.option("--model", envvar="BATCHSPEC_MODEL",
                  help="Target model (HF directory). Default: the bundled demo models."),
     click.option("--draft", "drafts", multiple=True, metavar="DOMAIN=PATH",
+                 envvar="BATCHSPEC_DRAFTS",
                  help="Draft for a domain: an HF directory or 'ngram' (repeatable; "
                       "'default' serves rows without a matching domain)."),
     click.option("-k", "--num-speculative-tokens", type=int,
+                 envvar="BATCHSPEC_NUM_SPECULATIVE_TOKENS",
                  help="Most tokens a draft proposes per round [4]."),
     click.option("--confidence-threshold", type=float,
+                 envvar="BATCHSPEC_CONFIDENCE_THRESHOLD",
                  help="Stop drafting when the draft's probability falls below this [0]."),
     click.option("--temperature", type=float, help="Sampling temperature, 0 = greedy [0]."),
     click.option("--top-p", type=float, help="Nucleus sampling mass [1]."),
@@ -44,15 +51,16 @@ JOB_OPTIONS = [
                  help="Model dtype [auto]."),
     click.option("--shard-size", type=int, envvar="BATCHSPEC_SHARD_SIZE",
                  help="Most rows per shard [1000]."),
-    click.option("--min-acceptance", type=float,
+    click.option("--min-acceptance", type=float, envvar="BATCHSPEC_MIN_ACCEPTANCE",
                  help="Fall back to plain decoding below this acceptance rate."),
     click.option("--max-spec-temperature", type=float,
+                 envvar="BATCHSPEC_MAX_SPEC_TEMPERATURE",
                  help="Do not speculate for rows sampled above this temperature."),
     click.option("--template", help="Prompt template over input columns, e.g. "
                                     "'Q: {question}\\nContext: {context}'."),
     click.option("--chat/--no-chat", default=None,
                  help="Send prompts as a user message through the chat template."),
-    click.option("--max-attempts", type=int, help="Deliveries of a shard before it is "
+    click.option("--max-attempts", type=int, envvar="BATCHSPEC_MAX_ATTEMPTS", help="Deliveries of a shard before it is "
                                                   "marked failed (Celery) [3]."),
     click.option("--name", help="Job name (prefix of the job id)."),
 ]
