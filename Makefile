@@ -1,0 +1,27 @@
+# Set-up and test entry points. `make test` is what CI runs (.ci/run).
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+
+.PHONY: install install-test test test-fast lint demo bench
+
+install:            ## the package and its runtime dependencies (CPU torch)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+
+install-test: install   ## plus what the tests need: pytest & co, a real redis-server
+	$(PIP) install -q -e '.[test]'
+	@command -v redis-server >/dev/null || { \
+	  (apt-get update -qq || sudo apt-get update -qq) && \
+	  (apt-get install -y -qq redis-server || sudo apt-get install -y -qq redis-server); }
+
+test: install-test      ## install test needs and run the whole suite (slow tests included)
+	$(PYTHON) -m pytest -q
+
+test-fast:              ## the suite without tests marked slow
+	$(PYTHON) -m pytest -q -m "not slow"
+
+lint:
+	$(PYTHON) -m ruff check batchspec tests benchmarks scripts
+
+demo: install           ## the main job on the bundled demo models
+	batchspec run examples/prompts.parquet -o out/
