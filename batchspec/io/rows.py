@@ -1,0 +1,168 @@
+"""Input rows -> generation requests, or an error row saying why a row cannot run.
+
+A row gives its prompt as `prompt` (string) or `messages` (list of {role, content}, chat
+template applied), or through the job's `template` over other columns (`{question}`).
+Optional columns: `id` (generated from file and row when absent), `domain`, and per-row
+sampling overrides. A bad row never stops the others: it becomes (id, error_type, message)."""
+from __future__ import annotations
+
+import hashlib
+import math
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from batchspec.io.shards import Shard
+from batchspec.sampling import SamplingParams
+
+FLOAT_OVERRIDES = ("temperature", "top_p")
+INT_OVERRIDES = ("top_k", "max_tokens", "seed")
+OVERRIDES = FLOAT_OVERRIDES + INT_OVERRIDES
+
+
+class RowError(Exception):
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.error_type = error_type
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    domain: str | None
+
+
+def template_fields(template: str) -> list[str]:
+    """Column names a template refers to ('{doc.title}' -> 'doc')."""
+    names = []
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is None:
+            continue
+        name = field.split(".", 1)[0].split("[", 1)[0]
+        if not name or name.isdigit():
+            raise ValueError(f"template field {{{field}}} must name a column")
+        names.append(name)
+    return names
+
+
+def check_columns(path: str, schema: pa.Schema, template: str | None) -> None:
+    """Fail fast, before any row runs, when a file cannot give prompts at all."""
+    names = set(schema.names)
+    if template is not None:
+        missing = [f for f in template_fields(template) if f not in names]
+        if missing:
+            raise ValueError(f"input {path!r} lacks the column(s) {missing} used by the "
+                             f"template (columns: {sorted(names)})")
+    elif not names & {"prompt", "messages"}:
+        raise ValueError(f"input {path!r} has neither a 'prompt' nor a 'messages' column "
+                         f"(columns: {sorted(names)}); add one or give a --template")
+
+
+def derived_seed(job_seed: int, request_id: str) -> int:
+    """Per-request seed from the job seed and the row id: outputs then depend on neither the
+    shard size nor which other rows share the batch."""
+    digest = hashlib.sha256(f"{job_seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _override(name: str, value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RowError("invalid_override", f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise RowError("invalid_override", f"{name} must be finite, got {value!r}")
+    if name in INT_OVERRIDES:
+        if value != int(value):
+            raise RowError("invalid_override", f"{name} must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _prompt(row: dict, template: str | None, chat: bool):
+    """The row's prompt as a string or a list of chat messages."""
+    if template is not None:
+        for name in template_fields(template):
+            if row.get(name) is None:
+                raise RowError("missing_field", f"column {name!r} is null")
+        try:
+            prompt = template.format_map(row)
+        except (KeyError, AttributeError, IndexError, ValueError) as e:
+            raise RowError("template_error", f"template cannot format this row: {e}") from e
+    elif row.get("prompt") is not None:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str):
+            raise RowError("invalid_prompt", f"prompt must be a string, got {type(prompt).__name__}")
+    elif row.get("messages") is not None:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise RowError("invalid_prompt",
+                           "messages must be a list of {role: string, content: string}")
+        if not messages:
+            raise RowError("empty_prompt", "messages is empty")
+        return messages
+    else:
+        raise RowError("missing_prompt", "row has no prompt (prompt and messages are null)")
+    if not prompt.strip():
+        raise RowError("empty_prompt", "prompt is empty")
+    return [{"role": "user", "content": prompt}] if chat else prompt
+
+
+def _row_id(row: dict, shard: Shard, i: int) -> str:
+    value = row.get("id")
+    if value is None or (isinstance(value, str) and not value):
+        return f"{shard.source}:{shard.start + i}"
+    return str(value)
+
+
+def row_ids(table: pa.Table, shard: Shard) -> list[str]:
+    ids = table.column("id").to_pylist() if "id" in table.column_names else [None] * len(table)
+    return [_row_id({"id": v}, shard, i) for i, v in enumerate(ids)]
+
+
+def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict, seed: int,
+                     encode: Callable[[object], list[int]], max_model_len: int,
+                     template: str | None = None, chat: bool = False
+                     ) -> tuple[list[Request], list[dict]]:
+    """(requests that can run, error rows {id, error_type, message}) of one shard's table.
+    `sampling` holds the job's SamplingParams fields; a row's non-null overrides win."""
+    requests: list[Request] = []
+    errors: list[dict] = []
+    seen: set[str] = set()
+    for i, row in enumerate(table.to_pylist()):
+        rid = _row_id(row, shard, i)
+        try:
+            if rid in seen:
+                raise RowError("duplicate_id", f"id {rid!r} appears more than once")
+            seen.add(rid)
+            fields = dict(sampling)
+            for name in OVERRIDES:
+                if row.get(name) is not None:
+                    fields[name] = _override(name, row[name])
+            if fields.get("seed") is None:
+                fields["seed"] = derived_seed(seed, rid)
+            try:
+                params = SamplingParams(**fields)
+            except ValueError as e:
+                raise RowError("invalid_override", str(e)) from e
+            domain = row.get("domain")
+            if domain is not None and not isinstance(domain, str):
+                raise RowError("invalid_domain", f"domain must be a string, got {domain!r}")
+            prompt = _prompt(row, template, chat)
+            try:
+                ids = encode(prompt)
+            except ValueError as e:
+                raise RowError("invalid_prompt", str(e)) from e
+            if not ids:
+                raise RowError("empty_prompt", "prompt encodes to no tokens")
+            if len(ids) >= max_model_len:
+                raise RowError("prompt_too_long", f"prompt has {len(ids)} tokens; the model's "
+                                                  f"context is {max_model_len}")
+            requests.append(Request(rid, ids, params, domain))
+        except RowError as e:
+            errors.append({"id": rid, "error_type": e.error_type, "message": str(e)})
+    return requests, errors

@@ -1,0 +1,267 @@
+"""`batchspec run | submit | status | jobs | cancel | worker | beat`.
+
+`run` executes a job in this process (no Redis); the others talk to Redis / Celery, whose
+URL comes from --broker or BATCHSPEC_REDIS_URL. Exit codes: 0 when the job is done (also
+with bad rows, which are listed in OUT/errors/), 1 when it failed, was cancelled, or could
+not start; every failure says what to fix.
+
+Deployment settings (model, drafts, speculation, device, shard size, broker) may come from
+BATCHSPEC_* environment variables. What a job computes (inputs, sampling, template) is
+given explicitly, so a stale variable never changes a job's outputs silently."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+
+import click
+
+from batchspec.jobs.celery_app import DEFAULT_REDIS_URL
+
+SUCCESS = ("completed", "completed_with_errors")
+TERMINAL = SUCCESS + ("failed", "cancelled")
+
+JOB_OPTIONS = [
+    click.argument("inputs", nargs=-1),
+    click.option("-o", "--output", help="Output directory (local path or fsspec URL)."),
+    click.option("--config", type=click.Path(dir_okay=False), envvar="BATCHSPEC_JOB_CONFIG",
+                 help="Job YAML file; options given on the command line override it."),
+    click.option("--model", envvar="BATCHSPEC_MODEL",
+                 help="Target model (HF directory). Default: the bundled demo models."),
+    click.option("--draft", "drafts", multiple=True, metavar="DOMAIN=PATH",
+                 envvar="BATCHSPEC_DRAFTS",
+                 help="Draft for a domain: an HF directory or 'ngram' (repeatable; "
+                      "'default' serves rows without a matching domain)."),
+    click.option("-k", "--num-speculative-tokens", type=int,
+                 envvar="BATCHSPEC_NUM_SPECULATIVE_TOKENS",
+                 help="Most tokens a draft proposes per round [4]."),
+    click.option("--confidence-threshold", type=float,
+                 envvar="BATCHSPEC_CONFIDENCE_THRESHOLD",
+                 help="Stop drafting when the draft's probability falls below this [0]."),
+    click.option("--temperature", type=float, help="Sampling temperature, 0 = greedy [0]."),
+    click.option("--top-p", type=float, help="Nucleus sampling mass [1]."),
+    click.option("--top-k", type=int, help="Top-k sampling, 0 = off [0]."),
+    click.option("--max-tokens", type=int, help="Most tokens generated per row [128]."),
+    click.option("--seed", type=int, help="Job seed; each row's seed derives from it and "
+                                          "the row id unless the row has a seed [0]."),
+    click.option("--device", envvar="BATCHSPEC_DEVICE", help="auto, cpu, cuda, cuda:N [auto]."),
+    click.option("--dtype", envvar="BATCHSPEC_DTYPE",
+                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                 help="Model dtype [auto]."),
+    click.option("--shard-size", type=int, envvar="BATCHSPEC_SHARD_SIZE",
+                 help="Most rows per shard [1000]."),
+    click.option("--min-acceptance", type=float, envvar="BATCHSPEC_MIN_ACCEPTANCE",
+                 help="Fall back to plain decoding below this acceptance rate."),
+    click.option("--max-spec-temperature", type=float,
+                 envvar="BATCHSPEC_MAX_SPEC_TEMPERATURE",
+                 help="Do not speculate for rows sampled above this temperature."),
+    click.option("--template", help="Prompt template over input columns, e.g. "
+                                    "'Q: {question}\\nContext: {context}'."),
+    click.option("--chat/--no-chat", default=None,
+                 help="Send prompts as a user message through the chat template."),
+    click.option("--max-attempts", type=int, envvar="BATCHSPEC_MAX_ATTEMPTS", help="Deliveries of a shard before it is "
+                                                  "marked failed (Celery) [3]."),
+    click.option("--name", help="Job name (prefix of the job id)."),
+]
+
+
+def job_options(fn):
+    for option in reversed(JOB_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def _set_broker(ctx, _param, value):
+    ctx.ensure_object(dict)["broker"] = value
+    return value
+
+
+broker_option = click.option(
+    "--broker", envvar="BATCHSPEC_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
+    expose_value=False, callback=_set_broker, is_eager=True,
+    help="Redis URL of the broker, result backend and job store.")
+
+
+def clear_errors(fn):
+    """Turn bad input (a ValueError / missing file) into a one-line error and exit 1."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, FileNotFoundError) as e:
+            raise click.ClickException(str(e)) from e
+    return wrapper
+
+
+def build_spec(config, **options):
+    from batchspec.jobs.spec import JobSpec
+    return JobSpec.build(config=config, **options)
+
+
+def _report(doc: dict) -> None:
+    c, s = doc["counts"], doc["summary"]
+    rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"
+    click.echo(f"{doc['state']}: {c['requests_completed']}/{c['requests_total']} requests, "
+               f"{c['requests_failed']} failed (see errors/), {c['shards_failed']} shards "
+               f"failed; acceptance rate {rate}; {doc['spec']['output']}", err=True)
+
+
+@click.command()
+@job_options
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@clear_errors
+def run(config, quiet, **options):
+    """Run a job in this process: INPUT... Parquet files, globs or URLs -> -o OUT."""
+    from batchspec.jobs.runner import run_local
+    doc = run_local(build_spec(config, **options), progress=not quiet)
+    _report(doc)
+    click.echo(doc["job_id"])
+    sys.exit(0 if doc["state"] in SUCCESS else 1)
+
+
+def _store(ctx):
+    from batchspec.jobs.celery_app import use_broker
+    from batchspec.jobs.tasks import get_store
+    use_broker(ctx.obj["broker"])
+    return get_store()
+
+
+def _get_job(store, job_id: str) -> dict:
+    job = store.get(job_id)
+    if job is None:
+        raise click.ClickException(f"no job {job_id!r} in this Redis (see `batchspec jobs`)")
+    return job
+
+
+def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> dict:
+    """Follow a job to its end with a progress bar on stderr (requests, tokens/s)."""
+    from tqdm.auto import tqdm
+    job = _get_job(store, job_id)
+    with tqdm(total=job["requests_total"], unit="req", file=sys.stderr,
+              disable=not progress, dynamic_ncols=True) as bar:
+        while True:
+            job = _get_job(store, job_id)
+            done = job["requests_completed"] + job["requests_failed"]
+            bar.update(min(done + job["requests_in_progress"], bar.total) - bar.n)
+            bar.set_postfix_str(f"{job['state']} {job.get('tokens_per_s', 0):.1f} tok/s")
+            if job["state"] in TERMINAL:
+                return job
+            time.sleep(poll_s)
+
+
+@click.command()
+@job_options
+@broker_option
+@click.option("--wait", is_flag=True, help="Follow the job to its end (progress on stderr).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar with --wait.")
+@click.pass_context
+@clear_errors
+def submit(ctx, config, wait, quiet, **options):
+    """Submit a job to the Celery workers; prints the job id (last line of stdout)."""
+    store = _store(ctx)
+    from batchspec.jobs.tasks import submit_job
+    job_id = submit_job(build_spec(config, **options))
+    if not wait:
+        click.echo(job_id)
+        return
+    click.echo(f"submitted {job_id}", err=True)
+    job = wait_for(store, job_id, progress=not quiet)
+    click.echo(f"{job['state']}: {job['requests_completed']}/{job['requests_total']} requests, "
+               f"{job['requests_failed']} failed; {job['output']}", err=True)
+    click.echo(job_id)
+    sys.exit(0 if job["state"] in SUCCESS else 1)
+
+
+@click.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
+@broker_option
+@click.pass_context
+def status(ctx, job_id, as_json):
+    """State, counts and throughput of a job."""
+    store = _store(ctx)
+    job = _get_job(store, job_id)
+    # Where running and failed shards are (host, pid, attempt, error): where to look.
+    info, states = store.shard_info(job_id), store.shard_states(job_id)
+    job["shards"] = {s: {"state": st, **info.get(s, {})} for s, st in sorted(states.items())
+                     if st in ("running", "failed")}
+    if as_json:
+        click.echo(json.dumps(job, indent=2, sort_keys=True))
+        return
+    for key in sorted(job):
+        click.echo(f"{key:22} {job[key]}")
+
+
+@click.command()
+@click.option("--limit", type=int, default=20, show_default=True, help="How many jobs.")
+@broker_option
+@click.pass_context
+def jobs(ctx, limit):
+    """Recent jobs, newest first."""
+    click.echo(f"{'JOB':40} {'STATE':22} {'SHARDS':>9} {'REQUESTS':>16} CREATED")
+    for j in _store(ctx).recent(limit):
+        shards = f"{j['shards_completed'] + j['shards_failed']}/{j['shards_total']}"
+        reqs = f"{j['requests_completed']}+{j['requests_failed']}/{j['requests_total']}"
+        click.echo(f"{j['job_id']:40} {j['state']:22} {shards:>9} {reqs:>16} {j['created_at']}")
+
+
+@click.command()
+@click.argument("job_id")
+@broker_option
+@click.pass_context
+def cancel(ctx, job_id):
+    """Cancel a job: running shards stop between engine steps, queued ones do not start."""
+    store = _store(ctx)
+    _get_job(store, job_id)
+    state = store.cancel(job_id)
+    click.echo(state)
+    if state not in ("cancelling", "cancelled"):
+        raise click.ClickException(f"job {job_id} is {state}; nothing to cancel")
+
+
+@click.command()
+@click.option("--device", envvar="BATCHSPEC_DEVICE",
+              help="Device of this worker (cuda:N); run one worker per GPU.")
+@click.option("--concurrency", type=int, default=1, show_default=True,
+              help="Worker processes; each loads its own copy of the models.")
+@click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork",
+              show_default=True, help="prefork keeps a parent that requeues the shard of a "
+                                      "crashed child; solo runs shards in this process.")
+@click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
+@click.option("--hostname", help="Celery node name (default: celery@HOST).")
+@broker_option
+@click.pass_context
+def worker(ctx, device, concurrency, pool, loglevel, hostname):
+    """Start a Celery worker that runs shards."""
+    import os
+
+    from batchspec.jobs.celery_app import QUEUE, use_broker
+    if device:
+        os.environ["BATCHSPEC_DEVICE"] = device  # read by the pool's children
+    argv = ["worker", f"--concurrency={concurrency}", f"--pool={pool}",
+            f"--loglevel={loglevel}", "-Q", QUEUE]
+    use_broker(ctx.obj["broker"]).worker_main(argv + ([f"--hostname={hostname}"] if hostname else []))
+
+
+@click.command()
+@click.option("--jobs", "jobs_dir", default="jobs", show_default=True,
+              envvar="BATCHSPEC_JOBS_DIR", help="Folder of job YAML files with a schedule.")
+@click.option("--schedule-file", default="celerybeat-schedule", show_default=True,
+              help="Where beat keeps the last run time of each entry.")
+@click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
+@broker_option
+@click.pass_context
+@clear_errors
+def beat(ctx, jobs_dir, schedule_file, loglevel):
+    """Run Celery beat: each job YAML's schedule submits that job."""
+    from batchspec.jobs.celery_app import use_broker
+    from batchspec.jobs.schedule import load_schedules
+    app = use_broker(ctx.obj["broker"])
+    app.conf.beat_schedule = load_schedules(jobs_dir)
+    for name, entry in app.conf.beat_schedule.items():
+        click.echo(f"{name}: {entry['schedule']} -> {entry['args'][0]}", err=True)
+    app.Beat(schedule=schedule_file, loglevel=loglevel).run()
+
+
+COMMANDS = [run, submit, status, jobs, cancel, worker, beat]

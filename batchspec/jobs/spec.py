@@ -1,0 +1,176 @@
+"""JobSpec: what a job runs (inputs, model pair, sampling, output dir), built from CLI flags,
+a YAML file (`--config job.yaml`), or both (flags win), through one validation path.
+
+The spec travels as JSON (Redis job record, `_job.json`) and is rebuilt on the worker; the
+EngineConfig is derived from it in one place, `engine_config`."""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+import secrets
+from dataclasses import dataclass, field
+
+import yaml
+
+from batchspec.config import EngineConfig
+from batchspec.sampling import SamplingParams
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
+# Keys a job YAML may carry for the scheduler; not part of what a job runs.
+SCHEDULE_KEYS = ("schedule", "timezone")
+
+
+@dataclass
+class JobSpec:
+    inputs: list[str]
+    output: str
+    model: str | None = None          # None: the bundled demo models (target + drafts)
+    drafts: dict[str, str] = field(default_factory=dict)
+    num_speculative_tokens: int = 4
+    confidence_threshold: float = 0.0
+    temperature: float = 0.0          # batch jobs default to greedy: reproducible outputs
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 128
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    shard_size: int = 1000
+    template: str | None = None       # e.g. "Question: {question}\nContext: {context}"
+    chat: bool = False                # wrap prompts as a user message, apply chat template
+    min_acceptance: float | None = None
+    max_spec_temperature: float | None = None
+    max_attempts: int = 3             # deliveries of a shard before it is marked failed
+    name: str | None = None
+    job_id: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.inputs, str):
+            self.inputs = [self.inputs]
+        self.inputs = [str(p) for p in self.inputs or []]
+        if not self.inputs:
+            raise ValueError("a job needs at least one input (Parquet path, glob or URL)")
+        if not self.output:
+            raise ValueError("a job needs an output directory (-o/--output)")
+        if "://" not in self.output:  # workers may run in another directory
+            self.output = os.path.abspath(self.output)
+        self.drafts = parse_drafts(self.drafts)
+        if self.model is None:
+            self._use_demo_models()
+        # Absolute model paths: workers and resumed runs may start in another directory.
+        self.model = _absolute(self.model)
+        self.drafts = {d: _absolute(p) for d, p in self.drafts.items()}
+        if self.shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.template is not None and not self.template.strip():
+            raise ValueError("template is empty")
+        self.sampling_params()
+        # EngineConfig owns the checks of model paths, k, tau, dtype, fallback options;
+        # device "cpu" here keeps torch out of processes that only submit.
+        self.engine_config(device="cpu")
+
+    def _use_demo_models(self):
+        try:
+            from batchspec.demo import demo_models
+        except ImportError as e:
+            raise ValueError("no --model given and the bundled demo models are not "
+                             "installed; pass --model PATH") from e
+        demo = demo_models()
+        self.model = demo["target"]
+        if not self.drafts:
+            domains = {"default": "draft", "code": "draft-code", "docs": "draft-docs"}
+            self.drafts = {d: demo[k] for d, k in domains.items() if demo.get(k)}
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling_fields())
+
+    def sampling_fields(self) -> dict:
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+
+    def engine_config(self, device: str | None = None) -> EngineConfig:
+        extra = {k: v for k, v in (("min_acceptance", self.min_acceptance),
+                                   ("max_spec_temperature", self.max_spec_temperature))
+                 if v is not None}
+        return EngineConfig(model=self.model, drafts=dict(self.drafts),
+                            num_speculative_tokens=self.num_speculative_tokens,
+                            confidence_threshold=self.confidence_threshold,
+                            device=device or self.device, dtype=self.dtype, seed=self.seed,
+                            **extra)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> JobSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown job setting(s) {unknown}; valid: {sorted(names)}")
+        return cls(**values)
+
+    @classmethod
+    def build(cls, config: str | None = None, now: dt.datetime | None = None,
+              **options) -> JobSpec:
+        """From an optional YAML file plus CLI options (None / empty means 'not given')."""
+        values = load_yaml(config, now) if config else {}
+        for key, value in options.items():
+            if value is None or value == ():
+                continue
+            values[key] = list(value) if isinstance(value, tuple) else value
+        return cls.from_dict(values)
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(path) if os.path.isdir(path) else path
+
+
+def parse_drafts(drafts) -> dict[str, str]:
+    """{domain: path} from a dict or from 'DOMAIN=PATH' strings (PATH may be 'ngram')."""
+    if isinstance(drafts, dict):
+        return {str(k): str(v) for k, v in drafts.items()}
+    out = {}
+    for item in drafts or []:
+        domain, sep, path = str(item).partition("=")
+        if not sep or not domain or not path:
+            raise ValueError(f"--draft takes DOMAIN=PATH (or DOMAIN=ngram), got {item!r}")
+        out[domain] = path
+    return out
+
+
+def fill_dates(text: str, now: dt.datetime) -> str:
+    """'{date}', '{yesterday}', '{now:%Y%m%dT%H%M}' -> the firing time's values."""
+    return text.format(date=now.date(), yesterday=now.date() - dt.timedelta(days=1), now=now)
+
+
+def load_yaml(path: str, now: dt.datetime | None = None) -> dict:
+    """A job YAML as JobSpec fields; date templates in inputs and output are filled in."""
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except FileNotFoundError as e:
+        raise ValueError(f"job config {path!r} does not exist") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"job config {path!r} is not valid YAML: {e}") from e
+    if not isinstance(values, dict):
+        raise ValueError(f"job config {path!r} must be a mapping of settings")
+    values = {str(k).replace("-", "_"): v for k, v in values.items()
+              if k not in SCHEDULE_KEYS}
+    now = now or dt.datetime.now(dt.UTC)
+    try:
+        if "inputs" in values:
+            inputs = values["inputs"]
+            values["inputs"] = [fill_dates(p, now) for p in
+                                ([inputs] if isinstance(inputs, str) else inputs)]
+        if "output" in values:
+            values["output"] = fill_dates(str(values["output"]), now)
+    except (KeyError, ValueError, IndexError) as e:
+        raise ValueError(f"job config {path!r}: bad date template in a path: {e}") from e
+    return values
+
+
+def new_job_id(name: str | None = None) -> str:
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    return f"{name or 'job'}-{stamp}-{secrets.token_hex(3)}"

@@ -1,0 +1,120 @@
+"""Job-level files of an output directory: `_plan.json` (what the directory holds, so a
+different job is never resumed into it), and at the end `_job.json` and `_SUCCESS`.
+
+Counts and the acceptance summary are read back from the files written rather than from
+in-memory tallies, so a resumed job, a job finished by whichever Celery task completed the
+last shard, and a local run all report the same numbers for the same directory."""
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+
+from batchspec.io.shards import Shard, output_fs, write_atomic
+
+KINDS = ("outputs", "acceptance", "errors")
+SUCCESS_STATES = ("completed", "completed_with_errors")
+
+
+def shard_path(root: str, kind: str, shard: Shard) -> str:
+    return f"{root}/{kind}/{shard.filename}"
+
+
+def _num_rows(fs, path: str) -> int:
+    with fs.open(path, "rb") as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+def shard_counts(fs, root: str, shard: Shard) -> tuple[int, int]:
+    """(rows in outputs, rows in errors) of a shard's files; zeros for files not there."""
+    return tuple(_num_rows(fs, p) if fs.exists(p) else 0
+                 for p in (shard_path(root, "outputs", shard), shard_path(root, "errors", shard)))
+
+
+def acceptance_summary(fs, root: str, shards: list[Shard]) -> dict:
+    """Tokens and acceptance over every request of the job's finished shards."""
+    tokens = rounds = drafted = accepted = fallbacks = 0
+    for shard in shards:
+        path = shard_path(root, "acceptance", shard)
+        if not fs.exists(shard_path(root, "outputs", shard)) or not fs.exists(path):
+            continue
+        with fs.open(path, "rb") as f:
+            t = pq.read_table(f, columns=["tokens_generated", "rounds", "total_drafted",
+                                           "total_accepted", "fallback_triggered"]).to_pydict()
+        tokens += sum(v or 0 for v in t["tokens_generated"])
+        rounds += sum(v or 0 for v in t["rounds"])
+        drafted += sum(v or 0 for v in t["total_drafted"])
+        accepted += sum(v or 0 for v in t["total_accepted"])
+        fallbacks += sum(bool(v) for v in t["fallback_triggered"])
+    return {"tokens_generated": tokens, "total_drafted": drafted, "total_accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": tokens / rounds if rounds else None,
+            "requests_with_fallback": fallbacks}
+
+
+def final_state(counts: dict, cancelled: bool) -> str:
+    if cancelled:
+        return "cancelled"
+    if counts["shards_failed"] and not counts["shards_completed"]:
+        return "failed"
+    if counts["shards_failed"] or counts["requests_failed"]:
+        return "completed_with_errors"
+    return "completed"
+
+
+def finalize(spec_dict: dict, shards: list[Shard], *, job_id: str, timings: dict,
+             failed_shards: dict[str, str], cancelled: bool = False, extra: dict | None = None
+             ) -> dict:
+    """Count, summarize, write `_job.json` then `_SUCCESS` (if the job succeeded). Returns
+    the job document."""
+    fs, root = output_fs(spec_dict["output"])
+    completed = ok = bad = 0
+    for shard in shards:
+        n_ok, n_bad = shard_counts(fs, root, shard)
+        completed += fs.exists(shard_path(root, "outputs", shard))
+        ok, bad = ok + n_ok, bad + n_bad
+    counts = {"shards_total": len(shards), "shards_completed": completed,
+              "shards_failed": len(failed_shards),
+              "shards_cancelled": len(shards) - completed - len(failed_shards) if cancelled else 0,
+              "requests_total": sum(s.num_rows for s in shards),
+              "requests_completed": ok, "requests_failed": bad}
+    summary = acceptance_summary(fs, root, shards)
+    wall = timings.get("wall_s")
+    summary["tokens_per_s"] = summary["tokens_generated"] / wall if wall else None
+    state = final_state(counts, cancelled)
+    doc = {"job_id": job_id, "state": state, "spec": spec_dict, "counts": counts,
+           "timings": timings, "summary": summary, "failed_shards": failed_shards,
+           **(extra or {})}
+    write_atomic(fs, f"{root}/_job.json", json.dumps(doc, indent=2, default=str).encode())
+    if state in SUCCESS_STATES:
+        write_atomic(fs, f"{root}/_SUCCESS", b"")
+    return doc
+
+
+# Settings that change what a row's output is. Drafts, k and tau are not among them:
+# speculative sampling is exact, so a job may resume with other drafts.
+OUTPUT_SETTINGS = ("model", "temperature", "top_p", "top_k", "max_tokens", "seed",
+                   "template", "chat")
+
+
+def claim_output(spec_dict: dict, shards: list[Shard]) -> None:
+    """Record the plan and output settings in OUT/_plan.json, or check that they match the
+    ones already there: resuming another job's directory would mix outputs of two jobs
+    under the same shard ids. Then clear `_SUCCESS` until the job finalizes again."""
+    fs, root = output_fs(spec_dict["output"])
+    plan = {"shards": [s.to_dict() for s in shards],
+            **{k: spec_dict[k] for k in OUTPUT_SETTINGS}}
+    path = f"{root}/_plan.json"
+    if fs.exists(path):
+        with fs.open(path, "rb") as f:
+            old = json.load(f)
+        changed = [k for k in plan if old.get(k) != plan[k]]
+        if changed:
+            what = "inputs or shard size" if changed == ["shards"] else ", ".join(changed)
+            raise ValueError(f"{spec_dict['output']} holds a job with other {what}; "
+                             f"resuming it would mix two jobs' outputs. Use another "
+                             f"output directory, or delete this one to start over")
+    else:
+        write_atomic(fs, path, json.dumps(plan, indent=1).encode())
+    if fs.exists(f"{root}/_SUCCESS"):
+        fs.rm(f"{root}/_SUCCESS")
