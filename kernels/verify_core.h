@@ -64,7 +64,8 @@ struct TokenUniforms {
   uint64_t seed, offset; uint32_t position; int cached = -1; U4 r;
   BS_HD float operator()(int i) {
     if ((i >> 2) != cached) { cached = i >> 2; r = philox_keyed(seed, offset, position, kStreamDraw, cached); }
-    return to_uniform(r.w[i & 3]);
+    const uint32_t w = (i & 2) ? ((i & 1) ? r.w[3] : r.w[2]) : ((i & 1) ? r.w[1] : r.w[0]);
+    return to_uniform(w);   // (no dynamic index: keeps r in registers on the GPU)
   }
 };
 

@@ -72,11 +72,9 @@ def random_batch(seed, B, V, dtype, with_q, alignment=1.0):
     return (logits.to(dtype), q if with_q else None, drafts, cu, temperature, seeds, offsets)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("with_q", [True, False])
-@pytest.mark.parametrize("filtered", [False, True])
-def test_cpu_matches_reference(ops, dtype, with_q, filtered):
-    B, V = 48, 300
+def check_matches_reference(backend, dtype, with_q, filtered, B=48, V=300):
+    """Tokens of `backend` == tokens of the torch reference (run on CPU) on ragged batches."""
+    dev = "cuda" if backend == "cuda" else "cpu"
     for seed, alignment in [(0, 0.9), (1, 0.6)]:
         args = random_batch(seed * 10 + int(with_q), B, V, dtype, with_q, alignment)
         kw = {}
@@ -85,13 +83,24 @@ def test_cpu_matches_reference(ops, dtype, with_q, filtered):
             kw = dict(top_k=torch.randint(0, 40, (B,), generator=g, dtype=torch.int32),
                       top_p=torch.where(torch.rand(B, generator=g) < 0.5, 1.0, 0.9))
         out_ref, acc_ref = rejection_sample(*args, backend="torch", **kw)
-        out_cpu, acc_cpu = rejection_sample(*args, backend="cpu", **kw)
-        assert out_cpu.dtype == torch.int32 and out_cpu.shape == out_ref.shape
-        assert torch.equal(acc_cpu, acc_ref)
-        assert torch.equal(out_cpu, out_ref)
+        out, acc = rejection_sample(*[None if a is None else a.to(dev) for a in args],
+                                    backend=backend, **{k: v.to(dev) for k, v in kw.items()})
+        assert out.dtype == torch.int32 and out.shape == out_ref.shape
+        assert torch.equal(acc.cpu(), acc_ref)
+        assert torch.equal(out.cpu(), out_ref)
         num_draft = args[3][1:] - args[3][:-1]
         if alignment > 0.8:     # the comparison covers accepted runs and bonus tokens
             assert ((acc_ref == num_draft) & (num_draft > 0)).any() and acc_ref.sum() >= 10
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_cpu_matches_reference(ops, dtype, with_q, filtered):
+    check_matches_reference("cpu", dtype, with_q, filtered)
 
 
 def test_cpu_batch_composition_invariance(ops):
@@ -131,3 +140,29 @@ def test_cuda_kernel_compiles_standalone(tmp_path):
     assert res.returncode == 0, res.stderr
     ptx = (tmp_path / "verify_kernel.ptx").read_text()
     assert ptx.count(".entry") == 6, "expected fp32/bf16/fp16 x 2 block sizes"
+
+
+# ---- CUDA kernel: run by scripts/gpu_check.sh on a machine with a GPU ----------------------
+
+@pytest.fixture(scope="module")
+def cuda_ops():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return _build.load(cuda=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_cuda_matches_reference(cuda_ops, dtype, with_q, filtered):
+    check_matches_reference("cuda", dtype, with_q, filtered)
+
+
+@pytest.mark.parametrize("V", [32001, 151936])   # rows not 16-byte aligned / a Qwen vocabulary
+def test_cuda_matches_reference_large_vocab(cuda_ops, V):
+    check_matches_reference("cuda", torch.bfloat16, True, False, B=8, V=V)
+
+
+@pytest.mark.parametrize("T,top_k,top_p", SAMPLING_CASES)
+def test_cuda_sampling_is_exact(cuda_ops, T, top_k, top_p):
+    check_sampling_is_exact("cuda", T, top_k, top_p)

@@ -15,13 +15,17 @@ I32 = torch.int32
 
 def call(logits, draft_probs, drafts, num_draft, temperature, seeds, offsets=None,
          backend="torch", **kw):
+    """rejection_sample on CPU tensors (moved to the GPU for backend="cuda"); CPU results."""
+    dev = "cuda" if backend == "cuda" else "cpu"
     B = len(num_draft)
     cu = torch.tensor([0] + list(np.cumsum(num_draft)), dtype=I32)
     offsets = torch.zeros(B, dtype=torch.int64) if offsets is None else offsets
-    return rejection_sample(logits, draft_probs, torch.as_tensor(drafts, dtype=I32), cu,
-                            torch.as_tensor(temperature, dtype=torch.float32),
-                            torch.as_tensor(seeds, dtype=torch.int64), offsets,
-                            backend=backend, **kw)
+    args = [logits, draft_probs, torch.as_tensor(drafts, dtype=I32), cu,
+            torch.as_tensor(temperature, dtype=torch.float32),
+            torch.as_tensor(seeds, dtype=torch.int64), offsets]
+    out, acc = rejection_sample(*[None if t is None else t.to(dev) for t in args],
+                                backend=backend, **{k: v.to(dev) for k, v in kw.items()})
+    return out.cpu(), acc.cpu()
 
 
 def one_hot_logits(argmaxes, V, peak=5.0):

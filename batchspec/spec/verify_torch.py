@@ -85,9 +85,12 @@ def rejection_sample_torch(target_logits, draft_probs, draft_token_ids, cu_num_d
         q = F.one_hot(x[d], V).float() if draft_probs is None else draft_probs[d].float()
     resid = torch.where(rejected[:, None], (p[emit] - q).clamp(min=0), 0.0)   # [B, V]
     s, o = seeds.to(dev), offsets.to(dev)
-    race, gumbel = race_argmax(resid, s, o, a), gumbel_argmax(z[emit], s, o, a)
-    token = torch.where(greedy, argmax[emit],
-                        torch.where((resid > 0).any(-1), race, gumbel))      # [B]
+    token = argmax[emit]                                                     # [B] greedy rows
+    is_race = ~greedy & (resid > 0).any(-1)
+    is_gumbel = ~greedy & ~is_race
+    for rows, draw, w in ((is_race, race_argmax, resid), (is_gumbel, gumbel_argmax, z[emit])):
+        if rows.any():                                 # draw only for the rows that need it
+            token[rows] = draw(w[rows], s[rows], o[rows], a[rows])
 
     out = torch.full((B, max_n + 1), -1, dtype=torch.int32, device=dev)
     kept = jd < a[rd]
