@@ -69,27 +69,27 @@ struct TokenUniforms {
   }
 };
 
-// ---- rows: scaled logits z = l / T, filter (top-k, top-p), p = exp(z - m) / s ----------
+// ---- rows: scaled logits z = l * (1/T) (as the reference), filter (top-k, top-p), p = exp(z - m) / s ----------
 struct RowFilter { float thresh, m, s; };   // token kept iff z >= thresh
 
 BS_HD float prob(const RowFilter& f, float z) { return z >= f.thresh ? expf(z - f.m) / f.s : 0.f; }
 
 template <typename T>
-BS_HD float sum_exp_above(const T* row, int V, float t, float m, float thresh, bool strict, const Group& g) {
+BS_HD float sum_exp_above(const T* row, int V, float inv_t, float m, float thresh, bool strict, const Group& g) {
   float s = 0.f;   // sum of exp(z - m) over z > thresh (strict) or z >= thresh
   for_each(row, V, g, [&](int, float x) {
-    const float z = x / t;
+    const float z = x * inv_t;
     if (strict ? z > thresh : z >= thresh) s += expf(z - m);
   });
   return group_sum(s, g);
 }
 
 template <typename T>
-BS_HD RowFilter row_filter(const T* row, int V, float t, int top_k, float top_p, const Group& g) {
+BS_HD RowFilter row_filter(const T* row, int V, float inv_t, int top_k, float top_p, const Group& g) {
   Lse l{-INFINITY, 0.f};
   float zmin = INFINITY;
   for_each(row, V, g, [&](int, float x) {   // one pass: online max / sum-exp, and the min
-    const float z = x / t;
+    const float z = x * inv_t;
     zmin = fminf(zmin, z);
     if (z > l.m) { l.s = l.s * expf(l.m - z) + 1.f; l.m = z; }
     else if (z != -INFINITY) l.s += expf(z - l.m);
@@ -103,26 +103,31 @@ BS_HD RowFilter row_filter(const T* row, int V, float t, int top_k, float top_p,
       const uint32_t mid = lo + (hi - lo + 1) / 2;
       const float x = key_float(mid);
       float c = 0.f;
-      for_each(row, V, g, [&](int, float v) { c += (v / t >= x) ? 1.f : 0.f; });
+      for_each(row, V, g, [&](int, float v) { c += (v * inv_t >= x) ? 1.f : 0.f; });
       if (group_sum(c, g) >= float(top_k)) lo = mid; else hi = mid - 1;
     }
     f.thresh = key_float(lo);
-    f.s = sum_exp_above(row, V, t, f.m, f.thresh, false, g);
+    f.s = sum_exp_above(row, V, inv_t, f.m, f.thresh, false, g);
   }
   if (top_p < 1.f) {              // smallest x with mass(z > x) < top_p: keeps the top-p head
     uint32_t lo = float_key(fmaxf(f.thresh, zmin)), hi = float_key(l.m);
     const float target = top_p * f.s;
     while (lo < hi) {
       const uint32_t mid = lo + (hi - lo) / 2;
-      if (sum_exp_above(row, V, t, f.m, key_float(mid), true, g) < target) hi = mid; else lo = mid + 1;
+      if (sum_exp_above(row, V, inv_t, f.m, key_float(mid), true, g) < target) hi = mid; else lo = mid + 1;
     }
     f.thresh = key_float(lo);
-    f.s = sum_exp_above(row, V, t, f.m, f.thresh, false, g);
+    f.s = sum_exp_above(row, V, inv_t, f.m, f.thresh, false, g);
   }
   return f;
 }
 
 // ---- draws -----------------------------------------------------------------------------
+// u <= 1 - 2^-24, so -log(u) >= 5.96e-8: a Gumbel term -log(-log u) is < 16.64 and 1 / -log(u)
+// is < 1.68e7. Tokens whose bound cannot beat the best score so far skip their draw; the
+// bounds below keep a margin over rounding, so the winner is the same as without skipping.
+constexpr float kMaxGumbel = 17.f, kMaxInvExp = 1.7e7f;
+
 template <typename T>
 BS_HD int row_argmax(const T* row, int V, const Group& g) {   // greedy; ties -> lowest index
   ArgMax best{-INFINITY, -1};
@@ -131,11 +136,12 @@ BS_HD int row_argmax(const T* row, int V, const Group& g) {   // greedy; ties ->
 }
 
 template <typename T>   // bonus: Gumbel-max over the kept tokens of softmax(z)
-BS_HD int draw_bonus(const T* row, int V, float t, float thresh, TokenUniforms u, const Group& g) {
+BS_HD int draw_bonus(const T* row, int V, float inv_t, float thresh, TokenUniforms u, const Group& g) {
   ArgMax best{-INFINITY, -1};
   for_each(row, V, g, [&](int i, float x) {
-    const float z = x / t;
+    const float z = x * inv_t;
     if (z < thresh || z == -INFINITY) return;
+    if (best.i >= 0 && z + kMaxGumbel < best.v) return;   // cannot win: skip its RNG and logs
     const float score = z - logf(-logf(u(i)));
     if (best.i < 0 || score > best.v) best = ArgMax{score, i};
   });
@@ -143,13 +149,13 @@ BS_HD int draw_bonus(const T* row, int V, float t, float thresh, TokenUniforms u
 }
 
 template <typename T>   // corrected: exponential race over w = max(0, p - q); -1 if no mass
-BS_HD int draw_residual(const T* row, int V, float t, const RowFilter& f, const float* q_row,
+BS_HD int draw_residual(const T* row, int V, float inv_t, const RowFilter& f, const float* q_row,
                         int draft, TokenUniforms u, const Group& g) {
   ArgMax best{-INFINITY, -1};
   for_each(row, V, g, [&](int i, float x) {
     const float q = q_row ? q_row[i] : (i == draft ? 1.f : 0.f);
-    const float w = prob(f, x / t) - q;
-    if (!(w > 0.f)) return;
+    const float w = prob(f, x * inv_t) - q;
+    if (!(w > 0.f) || (best.i >= 0 && w * kMaxInvExp < best.v)) return;   // cannot win
     const float score = w / -logf(u(i));
     if (best.i < 0 || score > best.v) best = ArgMax{score, i};
   });
@@ -170,15 +176,16 @@ BS_HD void verify_request(const VerifyParams& P, int b, const Group& g) {
       if (a == n || P.draft_ids[start + a] != token) break;
     }
   } else {
+    const float inv_t = 1.f / t;
     const int top_k = P.top_k ? P.top_k[b] : 0;
     const float top_p = P.top_p ? P.top_p[b] : 1.f;
     RowFilter f{-INFINITY, 0.f, 1.f};
     for (; a < n; ++a) {   // accept x with probability min(1, p(x) / q(x))
       const T* row = rows + int64_t(a) * V;
-      f = row_filter(row, V, t, top_k, top_p, g);
+      f = row_filter(row, V, inv_t, top_k, top_p, g);
       const int x = P.draft_ids[start + a];
       const bool ok = 0 <= x && x < V;
-      const float px = ok ? prob(f, to_float(row[x]) / t) : 0.f;
+      const float px = ok ? prob(f, to_float(row[x]) * inv_t) : 0.f;
       const float qx = ok && P.draft_probs ? P.draft_probs[int64_t(start + a) * V + x] : 1.f;
       const float u = to_uniform(philox_keyed(seed, offset, uint32_t(a), kStreamAccept, 0).w[0]);
       if (!(u * qx < px)) break;   // early exit at the first rejection
@@ -187,13 +194,13 @@ BS_HD void verify_request(const VerifyParams& P, int b, const Group& g) {
     const TokenUniforms u{seed, offset, uint32_t(a)};
     if (a < n) {
       const float* q_row = P.draft_probs ? P.draft_probs + int64_t(start + a) * V : nullptr;
-      token = draw_residual(row, V, t, f, q_row, P.draft_ids[start + a], u, g);
+      token = draw_residual(row, V, inv_t, f, q_row, P.draft_ids[start + a], u, g);
     }
     if (token < 0) {   // all accepted (bonus), or rounding left max(0, p - q) without mass
       const bool filtered = top_k > 0 || top_p < 1.f;
       const float thresh = a < n ? f.thresh
-                         : filtered ? row_filter(row, V, t, top_k, top_p, g).thresh : -INFINITY;
-      token = draw_bonus(row, V, t, thresh, u, g);
+                         : filtered ? row_filter(row, V, inv_t, top_k, top_p, g).thresh : -INFINITY;
+      token = draw_bonus(row, V, inv_t, thresh, u, g);
     }
   }
   if (g.tid == 0) {

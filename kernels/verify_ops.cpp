@@ -132,9 +132,9 @@ Tensor row_probs(const Tensor& logits, const Tensor& temperature, const Tensor& 
     const bs::Group g{0, 1, nullptr};
     for (int64_t r = lo; r < hi; ++r) {
       const float* row = logits.data_ptr<float>() + r * V;
-      const float t = temperature.data_ptr<float>()[r];
-      const auto f = bs::row_filter(row, int(V), t, top_k.data_ptr<int32_t>()[r], top_p.data_ptr<float>()[r], g);
-      for (int64_t i = 0; i < V; ++i) p.data_ptr<float>()[r * V + i] = bs::prob(f, row[i] / t);
+      const float inv_t = 1.f / temperature.data_ptr<float>()[r];
+      const auto f = bs::row_filter(row, int(V), inv_t, top_k.data_ptr<int32_t>()[r], top_p.data_ptr<float>()[r], g);
+      for (int64_t i = 0; i < V; ++i) p.data_ptr<float>()[r * V + i] = bs::prob(f, row[i] * inv_t);
     }
   });
   return p;

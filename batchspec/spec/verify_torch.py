@@ -41,7 +41,7 @@ def filter_logits(z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
 def target_probs(logits, temperature, top_k=None, top_p=None):
     """(z, p): filtered scaled logits and p = softmax(z), fp32 [R, V]; T = 0 rows use T = 1."""
     t = torch.where(temperature > 0, temperature, 1.0).to(logits.device, torch.float32)
-    z = filter_logits(logits.float() / t[:, None], top_k, top_p)
+    z = filter_logits(logits.float() * (1.0 / t)[:, None], top_k, top_p)   # as the kernels
     e = torch.exp(z - z.amax(-1, keepdim=True))
     return z, e / e.sum(-1, keepdim=True)
 
