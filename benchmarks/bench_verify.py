@@ -62,7 +62,9 @@ def main():
     if not args.quick:
         shapes += [(64, 4, 32000, "greedy"), (64, 4, 32000, "top-p"), (64, 0, 32000, "random"),
                    (8, 4, 32000, "random"), (64, 8, 32000, "random"), (16, 4, 128256, "random")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 logits")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
+          f"(load average {load}), bf16 logits, median of {args.repeat}")
     print(f"{'B':>4} {'k':>2} {'V':>7} {'mode':>7} {'accept':>7} {'torch ms':>9} "
           f"{'cpu ms':>8} {'speedup':>8}")
     for B, k, V, mode in shapes:

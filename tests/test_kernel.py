@@ -1,6 +1,7 @@
 """Verification kernels: the C++ twin (cpu backend) against the torch reference, its sampling
-exactness, and a standalone nvcc compile of the CUDA kernel. The first test builds the C++
-extension (cached under $BATCHSPEC_CACHE or ~/.cache/batchspec)."""
+exactness, and a standalone nvcc compile of the CUDA kernel; the same checks for the CUDA
+kernel where a GPU is present (scripts/gpu_check.sh). The first test builds the C++ extension
+(cached under $BATCHSPEC_CACHE or ~/.cache/batchspec)."""
 from __future__ import annotations
 
 import shutil
@@ -9,10 +10,11 @@ import subprocess
 import pytest
 import torch
 
+import tests.test_verify as reference_tests
 from batchspec.spec import _build
 from batchspec.spec.rng import uniform
 from batchspec.spec.verify import rejection_sample, resolve_backend, target_probs
-from tests.test_verify import SAMPLING_CASES, check_sampling_is_exact
+from tests.test_verify import SAMPLING_CASES, call, check_sampling_is_exact
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +103,12 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("filtered", [False, True])
 def test_cpu_matches_reference(ops, dtype, with_q, filtered):
     check_matches_reference("cpu", dtype, with_q, filtered)
+
+
+def test_cpu_greedy_chain_and_edge_cases(ops):
+    reference_tests.test_greedy_chain_ragged("cpu")
+    out, acc = call(torch.zeros(0, 5), None, [], [], [], [], backend="cpu")
+    assert out.shape == (0, 1) and acc.shape == (0,)
 
 
 def test_cpu_batch_composition_invariance(ops):

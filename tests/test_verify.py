@@ -56,6 +56,11 @@ def test_all_plain_decoding_has_width_one():
     assert out.shape == (2, 1) and out[0, 0] == 2 and acc.tolist() == [0, 0]
 
 
+def test_empty_batch():
+    out, acc = call(torch.zeros(0, 5), None, [], [], [], [])
+    assert out.shape == (0, 1) and acc.shape == (0,)
+
+
 def test_q_equal_p_accepts_everything():
     torch.manual_seed(0)
     logits = torch.randn(3 * 5, 16)
