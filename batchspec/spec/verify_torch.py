@@ -67,7 +67,8 @@ def rejection_sample_torch(target_logits, draft_probs, draft_token_ids, cu_num_d
     # Accept draft x with probability min(1, p(x) / q(x)): u * q(x) < p(x), u ~ U(0, 1)
     # keyed by (seed, offset, j). q is one-hot at x when draft_probs is None.
     p_x = p[is_draft].gather(1, x[:, None])[:, 0]
-    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(1, x[:, None])[:, 0]
+    q_x = torch.ones_like(p_x) if draft_probs is None else \
+        draft_probs.gather(1, x[:, None])[:, 0].float()
     u = uniform(seeds.to(dev)[rd], offsets.to(dev)[rd], jd, STREAM_ACCEPT)
     accept = torch.where(greedy[rd], x == argmax[is_draft], u * q_x < p_x)  # [N]
     run = torch.zeros(B, max_n, dtype=torch.int64, device=dev)
