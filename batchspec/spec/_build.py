@@ -66,6 +66,7 @@ def _compile(cuda: bool) -> None:
     cpp_extension.load(
         name=f"batchspec_verify_{flavour}", sources=sources, build_directory=str(build),
         extra_cflags=cflags, extra_include_paths=[str(src)],
+        # no fused multiply-add: the GPU rounds like the host and the torch reference
         extra_cuda_cflags=["-O3", "--fmad=false", "-lineinfo"] if cuda else None,
         is_python_module=False, verbose=bool(os.environ.get("BATCHSPEC_BUILD_VERBOSE")))
 
