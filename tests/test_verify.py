@@ -15,13 +15,17 @@ I32 = torch.int32
 
 def call(logits, draft_probs, drafts, num_draft, temperature, seeds, offsets=None,
          backend="torch", **kw):
+    """rejection_sample on CPU tensors (moved to the GPU for backend="cuda"); CPU results."""
+    dev = "cuda" if backend == "cuda" else "cpu"
     B = len(num_draft)
     cu = torch.tensor([0] + list(np.cumsum(num_draft)), dtype=I32)
     offsets = torch.zeros(B, dtype=torch.int64) if offsets is None else offsets
-    return rejection_sample(logits, draft_probs, torch.as_tensor(drafts, dtype=I32), cu,
-                            torch.as_tensor(temperature, dtype=torch.float32),
-                            torch.as_tensor(seeds, dtype=torch.int64), offsets,
-                            backend=backend, **kw)
+    args = [logits, draft_probs, torch.as_tensor(drafts, dtype=I32), cu,
+            torch.as_tensor(temperature, dtype=torch.float32),
+            torch.as_tensor(seeds, dtype=torch.int64), offsets]
+    out, acc = rejection_sample(*[None if t is None else t.to(dev) for t in args],
+                                backend=backend, **{k: v.to(dev) for k, v in kw.items()})
+    return out.cpu(), acc.cpu()
 
 
 def one_hot_logits(argmaxes, V, peak=5.0):
@@ -50,6 +54,11 @@ def test_greedy_chain_ragged(backend):
 def test_all_plain_decoding_has_width_one():
     out, acc = call(one_hot_logits([2, 0], V=4), None, [], [0, 0], [0.0, 1.0], [5, 6])
     assert out.shape == (2, 1) and out[0, 0] == 2 and acc.tolist() == [0, 0]
+
+
+def test_empty_batch():
+    out, acc = call(torch.zeros(0, 5), None, [], [], [], [])
+    assert out.shape == (0, 1) and acc.shape == (0,)
 
 
 def test_q_equal_p_accepts_everything():
@@ -114,6 +123,18 @@ def test_resolve_backend(monkeypatch):
     assert resolve_backend("auto", "cpu") == "torch"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where the CUDA build fails")
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    import warnings
+
+    import batchspec.spec.verify as verify
+    monkeypatch.setattr(verify, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [verify._kernel_ok(cuda=True) for _ in range(3)] == [False] * 3
+    assert len(caught) == 1 and "torch reference" in str(caught[0].message)
+
+
 # ---- sampling exactness -------------------------------------------------------------------
 
 def filtered_target(logits: np.ndarray, T: float, top_k: int, top_p: float) -> np.ndarray:
@@ -164,22 +185,28 @@ SAMPLING_CASES = [  # (T, top_k, top_p)
     (1.0, 0, 1.0), (0.7, 0, 0.8), (1.0, 5, 1.0), (1.3, 6, 0.9)]
 
 
-@pytest.mark.parametrize("T,top_k,top_p", SAMPLING_CASES)
-def test_reference_sampling_is_exact(T, top_k, top_p, backend="torch", trials=4000):
+def check_sampling_is_exact(backend, T, top_k, top_p, trials=4000):
+    """First emitted token ~ p (accept + residual paths), bonus token ~ p given all accepted,
+    and the same for deterministic (n-gram) drafts whose q is one-hot."""
     gen = torch.Generator().manual_seed(7)
     V = 10
     target0, target1 = torch.randn(V, generator=gen) * 1.5, torch.randn(V, generator=gen)
     q = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
     first, acc, second = sample_tokens(backend, target0, target1, q, trials, T, top_k, top_p)
     p0 = filtered_target(target0.double().numpy(), T, top_k, top_p)
+    p1 = filtered_target(target1.double().numpy(), T, top_k, top_p)
+    assert (p0 > 0).sum() > 1 and (p1 > 0).sum() > 1
     assert_distributed_as(first, p0)
     assert 0.1 < acc.mean() < 0.95            # both the accept and the residual path ran
-    assert_distributed_as(second[acc == 1], filtered_target(target1.double().numpy(), T,
-                                                             top_k, top_p))
-    # deterministic (n-gram) drafts: q is one-hot at the proposed token
+    assert_distributed_as(second[acc == 1], p1)
     first, acc, _ = sample_tokens(backend, target0, target1, None, trials, T, top_k, top_p,
                                   one_hot_draft=int(np.argsort(-p0)[1]))
     assert_distributed_as(first, p0)
+
+
+@pytest.mark.parametrize("T,top_k,top_p", SAMPLING_CASES)
+def test_reference_sampling_is_exact(T, top_k, top_p):
+    check_sampling_is_exact("torch", T, top_k, top_p)
 
 
 def test_reference_plain_decoding_is_exact():

@@ -54,8 +54,10 @@ def to_uniform(bits: torch.Tensor) -> torch.Tensor:
 
 def random_bits(seeds, offsets, positions, stream: int, index) -> list[torch.Tensor]:
     """The four uint32 words (int64 tensors) of the Philox call keyed as in the docstring."""
-    seeds, offsets, positions, index = (torch.as_tensor(t, dtype=torch.int64)
-                                        for t in (seeds, offsets, positions, index))
+    ts = (seeds, offsets, positions, index)
+    dev = next((t.device for t in ts if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    seeds, offsets, positions, index = (torch.as_tensor(t, dtype=torch.int64, device=dev)
+                                        for t in ts)
     key = [seeds & _MASK, (seeds >> 32) & _MASK]
     counter = [index & _MASK, positions & _MASK, offsets & _MASK,
                ((offsets >> 32) & 0xFFFF) | (stream << 16)]

@@ -41,7 +41,7 @@ def filter_logits(z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
 def target_probs(logits, temperature, top_k=None, top_p=None):
     """(z, p): filtered scaled logits and p = softmax(z), fp32 [R, V]; T = 0 rows use T = 1."""
     t = torch.where(temperature > 0, temperature, 1.0).to(logits.device, torch.float32)
-    z = filter_logits(logits.float() / t[:, None], top_k, top_p)
+    z = filter_logits(logits.float() * (1.0 / t)[:, None], top_k, top_p)   # as the kernels
     e = torch.exp(z - z.amax(-1, keepdim=True))
     return z, e / e.sum(-1, keepdim=True)
 
@@ -67,7 +67,8 @@ def rejection_sample_torch(target_logits, draft_probs, draft_token_ids, cu_num_d
     # Accept draft x with probability min(1, p(x) / q(x)): u * q(x) < p(x), u ~ U(0, 1)
     # keyed by (seed, offset, j). q is one-hot at x when draft_probs is None.
     p_x = p[is_draft].gather(1, x[:, None])[:, 0]
-    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(1, x[:, None])[:, 0]
+    q_x = torch.ones_like(p_x) if draft_probs is None else \
+        draft_probs.gather(1, x[:, None])[:, 0].float()
     u = uniform(seeds.to(dev)[rd], offsets.to(dev)[rd], jd, STREAM_ACCEPT)
     accept = torch.where(greedy[rd], x == argmax[is_draft], u * q_x < p_x)  # [N]
     run = torch.zeros(B, max_n, dtype=torch.int64, device=dev)
@@ -85,9 +86,12 @@ def rejection_sample_torch(target_logits, draft_probs, draft_token_ids, cu_num_d
         q = F.one_hot(x[d], V).float() if draft_probs is None else draft_probs[d].float()
     resid = torch.where(rejected[:, None], (p[emit] - q).clamp(min=0), 0.0)   # [B, V]
     s, o = seeds.to(dev), offsets.to(dev)
-    race, gumbel = race_argmax(resid, s, o, a), gumbel_argmax(z[emit], s, o, a)
-    token = torch.where(greedy, argmax[emit],
-                        torch.where((resid > 0).any(-1), race, gumbel))      # [B]
+    token = argmax[emit]                                                     # [B] greedy rows
+    is_race = ~greedy & (resid > 0).any(-1)
+    is_gumbel = ~greedy & ~is_race
+    for rows, draw, w in ((is_race, race_argmax, resid), (is_gumbel, gumbel_argmax, z[emit])):
+        if rows.any():                                 # draw only for the rows that need it
+            token[rows] = draw(w[rows], s[rows], o[rows], a[rows])
 
     out = torch.full((B, max_n + 1), -1, dtype=torch.int32, device=dev)
     kept = jd < a[rd]

@@ -1,0 +1,176 @@
+"""Verification kernels: the C++ twin (cpu backend) against the torch reference, its sampling
+exactness, and a standalone nvcc compile of the CUDA kernel; the same checks for the CUDA
+kernel where a GPU is present (scripts/gpu_check.sh). The first test builds the C++ extension
+(cached under $BATCHSPEC_CACHE or ~/.cache/batchspec)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import tests.test_verify as reference_tests
+from batchspec.spec import _build
+from batchspec.spec.rng import uniform
+from batchspec.spec.verify import rejection_sample, resolve_backend, target_probs
+from tests.test_verify import SAMPLING_CASES, call, check_sampling_is_exact
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ops():
+    err = _build.load_error(cuda=False)
+    if err is not None and shutil.which("c++") is None:
+        pytest.skip(f"no C++ compiler: {err}")
+    return _build.load(cuda=False)   # with a compiler, a failed build is a failure
+
+
+def test_uniform_bit_identical(ops):
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-2**62, 2**62, (4096,), generator=g)
+    offsets = torch.randint(0, 2**47, (4096,), generator=g)
+    positions = torch.randint(0, 64, (4096,), generator=g)
+    for stream, index in [(0, 0), (1, 0), (1, 7), (2, 3)]:
+        assert torch.equal(ops.uniform(seeds, offsets, positions, stream, index),
+                           uniform(seeds, offsets, positions, stream, index))
+
+
+def test_filtered_probs_match_reference(ops):
+    # Tolerance of the backends: same kept set, probabilities within 1e-6 absolute and
+    # 1e-5 relative (exp and summation order differ in the last bits).
+    g = torch.Generator().manual_seed(1)
+    R, V = 96, 777
+    logits = torch.randn(R, V, generator=g) * 3
+    logits[:, :40] = logits[:, 40:80]                 # ties at filter boundaries
+    temperature = torch.rand(R, generator=g) + 0.3
+    top_k = torch.randint(0, 60, (R,), generator=g, dtype=torch.int32)
+    top_p = torch.rand(R, generator=g) * 0.9 + 0.1
+    top_p[::3] = 1.0
+    p_cpu = ops.row_probs(logits, temperature, top_k, top_p)
+    _, p_ref = target_probs(logits, temperature, top_k, top_p)
+    assert torch.equal(p_cpu > 0, p_ref > 0)
+    torch.testing.assert_close(p_cpu, p_ref, rtol=1e-5, atol=1e-6)
+
+
+def random_batch(seed, B, V, dtype, with_q, alignment=1.0):
+    """Ragged batch with n_b = 0..8, a third greedy rows; drafts sampled from q, where q is
+    the target's distribution mixed with noise (alignment 1 = a perfect draft)."""
+    g = torch.Generator().manual_seed(seed)
+    num_draft = torch.randint(0, 9, (B,), generator=g)
+    N = int(num_draft.sum())
+    logits = torch.randn(N + B, V, generator=g) * 4
+    is_draft = torch.ones(N + B, dtype=torch.bool)
+    is_draft[torch.cumsum(num_draft + 1, 0) - 1] = False
+    noise = torch.randn(N, V, generator=g) * 2
+    q = torch.softmax(alignment * logits[is_draft] + (1 - alignment) * noise, -1)
+    drafts = torch.multinomial(q, 1, generator=g)[:, 0].int() if N else torch.zeros(0).int()
+    cu = torch.cat([torch.zeros(1), torch.cumsum(num_draft, 0)]).int()
+    temperature = torch.rand(B, generator=g) + 0.5
+    temperature[torch.rand(B, generator=g) < 0.33] = 0.0
+    seeds = torch.randint(0, 2**40, (B,), generator=g)
+    offsets = torch.randint(0, 10**6, (B,), generator=g)
+    return (logits.to(dtype), q if with_q else None, drafts, cu, temperature, seeds, offsets)
+
+
+def check_matches_reference(backend, dtype, with_q, filtered, B=48, V=300):
+    """Tokens of `backend` == tokens of the torch reference (run on CPU) on ragged batches."""
+    dev = "cuda" if backend == "cuda" else "cpu"
+    for seed, alignment in [(0, 0.9), (1, 0.6)]:
+        args = random_batch(seed * 10 + int(with_q), B, V, dtype, with_q, alignment)
+        kw = {}
+        if filtered:
+            g = torch.Generator().manual_seed(seed)
+            kw = dict(top_k=torch.randint(0, 40, (B,), generator=g, dtype=torch.int32),
+                      top_p=torch.where(torch.rand(B, generator=g) < 0.5, 1.0, 0.9))
+        out_ref, acc_ref = rejection_sample(*args, backend="torch", **kw)
+        out, acc = rejection_sample(*[None if a is None else a.to(dev) for a in args],
+                                    backend=backend, **{k: v.to(dev) for k, v in kw.items()})
+        assert out.dtype == torch.int32 and out.shape == out_ref.shape
+        assert torch.equal(acc.cpu(), acc_ref)
+        assert torch.equal(out.cpu(), out_ref)
+        num_draft = args[3][1:] - args[3][:-1]
+        if alignment > 0.8:     # the comparison covers accepted runs and bonus tokens
+            assert ((acc_ref == num_draft) & (num_draft > 0)).any() and acc_ref.sum() >= 10
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_cpu_matches_reference(ops, dtype, with_q, filtered):
+    check_matches_reference("cpu", dtype, with_q, filtered)
+
+
+def test_cpu_greedy_chain_and_edge_cases(ops):
+    reference_tests.test_greedy_chain_ragged("cpu")
+    out, acc = call(torch.zeros(0, 5), None, [], [], [], [], backend="cpu")
+    assert out.shape == (0, 1) and acc.shape == (0,)
+
+
+def test_cpu_batch_composition_invariance(ops):
+    logits, q, drafts, cu, temperature, seeds, offsets = random_batch(5, 16, 64, torch.float32,
+                                                                      True, 0.8)
+    out, acc = rejection_sample(logits, q, drafts, cu, temperature, seeds, offsets,
+                                backend="cpu")
+    for b in [0, 7, 15]:
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        o1, a1 = rejection_sample(logits[lo + b:hi + b + 1], q[lo:hi], drafts[lo:hi],
+                                  torch.tensor([0, hi - lo], dtype=torch.int32),
+                                  temperature[b:b + 1], seeds[b:b + 1], offsets[b:b + 1],
+                                  backend="cpu")
+        assert a1[0] == acc[b] and o1[0].tolist() == out[b, :hi - lo + 1].tolist()
+
+
+@pytest.mark.parametrize("T,top_k,top_p", SAMPLING_CASES)
+def test_cpu_sampling_is_exact(ops, T, top_k, top_p):
+    check_sampling_is_exact("cpu", T, top_k, top_p)
+
+
+def test_auto_picks_cpu_kernel(ops, monkeypatch):
+    monkeypatch.delenv("BATCHSPEC_VERIFY_BACKEND", raising=False)
+    assert resolve_backend("auto", "cpu") == "cpu"
+    monkeypatch.setenv("BATCHSPEC_VERIFY_BACKEND", "torch")
+    assert resolve_backend("auto", "cpu") == "torch"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found on PATH")
+def test_cuda_kernel_compiles_standalone(tmp_path):
+    # Device code to PTX for one architecture, unoptimised to keep it quick: the .cu must
+    # build without torch headers. scripts/gpu_check.sh does the optimised build.
+    src = _build.kernel_dir() / "verify_kernel.cu"
+    cmd = ["nvcc", "--ptx", "-arch=compute_90", "-Xcicc", "-O0", str(src),
+           "-o", str(tmp_path / "verify_kernel.ptx")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    ptx = (tmp_path / "verify_kernel.ptx").read_text()
+    assert ptx.count(".entry") == 6, "expected fp32/bf16/fp16 x 2 block sizes"
+
+
+# ---- CUDA kernel: run by scripts/gpu_check.sh on a machine with a GPU ----------------------
+
+@pytest.fixture(scope="module")
+def cuda_ops():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return _build.load(cuda=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_cuda_matches_reference(cuda_ops, dtype, with_q, filtered):
+    check_matches_reference("cuda", dtype, with_q, filtered)
+
+
+@pytest.mark.parametrize("V", [32001, 151936])   # rows not 16-byte aligned / a Qwen vocabulary
+def test_cuda_matches_reference_large_vocab(cuda_ops, V):
+    check_matches_reference("cuda", torch.bfloat16, True, False, B=8, V=V)
+
+
+@pytest.mark.parametrize("T,top_k,top_p", SAMPLING_CASES)
+def test_cuda_sampling_is_exact(cuda_ops, T, top_k, top_p):
+    check_sampling_is_exact("cuda", T, top_k, top_p)
