@@ -26,9 +26,10 @@ class AttentionMetadata:
     # padded batch of short rows
     dec_token_idx: torch.Tensor | None = None  # [Bd * maxq] long: flat token index (pad: 0)
     dec_valid: torch.Tensor | None = None      # [Bd * maxq] bool
-    dec_slots: torch.Tensor | None = None      # [Bd, maxctx] long: context slots (pad: 0)
-    dec_mask: torch.Tensor | None = None       # [Bd, 1, maxq, maxctx] bool: may attend
-    dec_shape: tuple[int, int, int] = (0, 0, 0)  # Bd, maxq, maxctx
+    dec_blocks: torch.Tensor | None = None     # [Bd, nblk] long: block ids (pad: 0)
+    dec_mask: torch.Tensor | None = None       # [Bd, 1, maxq, nblk * block_size] bool
+    dec_shape: tuple[int, int, int] = (0, 0, 0)  # Bd, maxq, nblk * block_size
+    dec_is_whole_batch: bool = False           # every row is one decode token, in order
     # long rows: (token_start, q_len, ctx_len, slots [ctx] or None if no cached context)
     prefill_rows: list = field(default_factory=list)
     prefill_masks: list = field(default_factory=list)
@@ -68,7 +69,9 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
     dec = torch.nonzero(is_dec).flatten()
     if len(dec):
         dn, dq = n[dec], qlen[dec]
-        maxq, maxctx = int(dq.max()), int((dn + dq).max())
+        maxq = int(dq.max())
+        nblk = -(-int((dn + dq).max()) // block_size)
+        maxctx = nblk * block_size  # whole blocks are gathered; the mask hides the tail
         j = torch.arange(maxq)
         valid = j[None, :] < dq[:, None]                                        # [Bd, maxq]
         tok = torch.where(valid, starts[dec][:, None] + j[None, :], 0)
@@ -80,7 +83,8 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
         mask |= (qpos < 0) & (kpos == 0)  # padded query rows attend somewhere (ignored)
         meta.dec_token_idx = tok.flatten().to(device)
         meta.dec_valid = valid.flatten().to(device)
-        meta.dec_slots = ctx_slots(dec, maxctx).to(device)
+        meta.dec_blocks = tables[dec][:, :nblk].contiguous().to(device)
+        meta.dec_is_whole_batch = maxq == 1 and len(dec) == R
         meta.dec_mask = mask.to(device)
         meta.dec_shape = (len(dec), maxq, maxctx)
     for i in torch.nonzero(~is_dec).flatten().tolist():
@@ -122,13 +126,20 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     Hkv = k.shape[1]
     if meta.dec_token_idx is not None:
         B, maxq, maxctx = meta.dec_shape
-        qd = q.index_select(0, meta.dec_token_idx).view(B, maxq, Hq, D).transpose(1, 2)
-        flat = meta.dec_slots.view(-1)
-        kd = k_cache.index_select(0, flat).view(B, maxctx, Hkv, D).transpose(1, 2)
-        vd = v_cache.index_select(0, flat).view(B, maxctx, Hkv, D).transpose(1, 2)
+        whole = meta.dec_is_whole_batch
+        qd = (q if whole else q.index_select(0, meta.dec_token_idx))
+        qd = qd.view(B, maxq, Hq, D).transpose(1, 2)
+        # gather whole blocks: [num_blocks, block_size * H * D] rows, one copy per block
+        flat = meta.dec_blocks.view(-1)
+        kd = k_cache.view(-1, block_size * Hkv * D).index_select(0, flat)
+        vd = v_cache.view(-1, block_size * Hkv * D).index_select(0, flat)
+        kd = kd.view(B, maxctx, Hkv, D).transpose(1, 2)
+        vd = vd.view(B, maxctx, Hkv, D).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask, scale=scale,
                                             enable_gqa=Hq != Hkv)
         od = od.transpose(1, 2).reshape(B * maxq, Hq, D)
+        if whole:
+            return od
         out[meta.dec_token_idx[meta.dec_valid]] = od[meta.dec_valid]
     for (start, qlen, ctx, slots), mask in zip(meta.prefill_rows, meta.prefill_masks):
         qp = q[start:start + qlen].transpose(0, 1).unsqueeze(0)       # [1, Hq, q, D]
