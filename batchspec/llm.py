@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from batchspec.config import EngineConfig

@@ -141,7 +141,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         if whole:
             return od
         out[meta.dec_token_idx[meta.dec_valid]] = od[meta.dec_valid]
-    for (start, qlen, ctx, slots), mask in zip(meta.prefill_rows, meta.prefill_masks):
+    for (start, qlen, _ctx, slots), mask in zip(meta.prefill_rows, meta.prefill_masks):
         qp = q[start:start + qlen].transpose(0, 1).unsqueeze(0)       # [1, Hq, q, D]
         if slots is None:
             kp = k[start:start + qlen].transpose(0, 1).unsqueeze(0)
