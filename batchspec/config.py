@@ -25,6 +25,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"   # auto | torch | flash
+    num_threads: int | None = None    # CPU intra-op threads (torch.set_num_threads); None: as is
     verify_backend: str = "auto"      # auto | cuda | cpu | torch
     # speculation policy
     fallback_window: int = 100
@@ -63,6 +64,8 @@ class EngineConfig:
             raise ValueError("min_acceptance must be in [0, 1]")
         if self.fallback_window < 1 or self.fallback_min_drafted < 1:
             raise ValueError("fallback_window and fallback_min_drafted must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.device == "auto":

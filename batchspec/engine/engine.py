@@ -27,6 +27,8 @@ CPU_KV_CACHE_GB = 1.0
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = c = config
+        if c.num_threads is not None:
+            torch.set_num_threads(c.num_threads)
         self.target = ModelRunner(c.model, c.device, c.dtype, c.attention_backend)
         self.tokenizer = load_tokenizer(c.model)
         cfg = self.target.cfg

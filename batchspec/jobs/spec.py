@@ -36,6 +36,7 @@ class JobSpec:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
+    num_threads: int | None = None    # CPU intra-op threads; None: torch's default
     shard_size: int = 1000
     template: str | None = None       # e.g. "Question: {question}\nContext: {context}"
     chat: bool = False                # wrap prompts as a user message, apply chat template
@@ -92,7 +93,8 @@ class JobSpec:
 
     def engine_config(self, device: str | None = None) -> EngineConfig:
         extra = {k: v for k, v in (("min_acceptance", self.min_acceptance),
-                                   ("max_spec_temperature", self.max_spec_temperature))
+                                   ("max_spec_temperature", self.max_spec_temperature),
+                                   ("num_threads", self.num_threads))
                  if v is not None}
         return EngineConfig(model=self.model, drafts=dict(self.drafts),
                             num_speculative_tokens=self.num_speculative_tokens,
