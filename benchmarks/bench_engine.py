@@ -1,7 +1,7 @@
 """batchspec LLM.generate vs transformers generate (batched, left-padded) on the same random
 ~30M-parameter Llama, 64 prompts of mixed length, greedy, fixed output length.
 
-    python benchmarks/bench_engine.py [--num-prompts 64] [--max-tokens 64] [--json FILE]
+    python benchmarks/bench_engine.py [--num-prompts 64] [--max-tokens 64] [--threads N] [--json FILE]
 """
 from __future__ import annotations
 
@@ -25,8 +25,12 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for both engines [torch's default]")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     d = tempfile.mkdtemp()
     path = make_random_model(d, "llama", vocab_size=16384, hidden_size=512, num_layers=6,
                              num_heads=8, num_kv_heads=8, intermediate_size=1408,

@@ -46,6 +46,8 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
     """rows: list of (num_computed, q_len) per sequence, in the order their tokens appear in
     the flat batch; block_tables: each sequence's block ids. Index arithmetic is vectorised
     on the host, then moved to `device` once."""
+    if backend == "torch" and sliding_window is None and all(q == 1 for _, q in rows):
+        return _decode_metadata(rows, block_tables, block_size, device)
     R = len(rows)
     n = torch.tensor([r[0] for r in rows], dtype=torch.long)
     qlen = torch.tensor([r[1] for r in rows], dtype=torch.long)
@@ -102,6 +104,24 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
             mask = mask.to(device)
         meta.prefill_masks.append(mask)
     return meta
+
+
+def _decode_metadata(rows, block_tables, block_size, device):
+    """Fast path (every row decodes one token; the draft steps and plain decoding): a few
+    list comprehensions instead of tensor index arithmetic, which dominates at small batch."""
+    ctx = [n + 1 for n, _ in rows]
+    nblk = -(-max(ctx) // block_size)
+    slots = [t[n // block_size] * block_size + n % block_size
+             for (n, _), t in zip(rows, block_tables)]
+    blocks = [t[:nblk] + [0] * (nblk - min(len(t), nblk)) for t in block_tables]
+    kpos = torch.arange(nblk * block_size)
+    mask = kpos[None, :] < torch.tensor(ctx)[:, None]                 # [B, maxctx]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
+        dec_token_idx=torch.empty(0, dtype=torch.long), dec_blocks=torch.tensor(
+            blocks, dtype=torch.long).to(device),
+        dec_mask=mask[:, None, None, :].to(device), dec_shape=(len(rows), 1, nblk * block_size),
+        dec_is_whole_batch=True)
 
 
 def _flash_metadata(meta, qlen, kvlen, tables, device):

@@ -18,7 +18,8 @@ import torch
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sequence import Sequence
 from batchspec.layers.sampler import filtered_probs
-from batchspec.spec.rng import STREAM_DRAFT, uniform
+from batchspec.spec.rng import STREAM_DRAFT
+from batchspec.spec.verify import uniform
 
 
 @dataclass
@@ -50,31 +51,38 @@ class DraftModelProposer:
             for s, i in zip(seqs, active):
                 s.spec.num_draft_computed += len(feed[i])
             temps = torch.tensor([s.params.temperature for s in seqs])
-            q = filtered_probs(logits, temps, [s.params.top_k for s in seqs],
-                               [s.params.top_p for s in seqs])         # [A, V]
             greedy = temps == 0
-            u = uniform(torch.tensor([s.seed for s in seqs]),
-                        torch.tensor([s.num_output_tokens for s in seqs]),
-                        torch.full((len(seqs),), step), STREAM_DRAFT)
-            cdf = torch.cumsum(q, dim=-1)
-            sampled = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-            tokens = torch.where(greedy, logits.argmax(-1), sampled.clamp(max=q.shape[-1] - 1))
+            all_greedy = bool(greedy.all())
+            tokens = logits.argmax(-1)
+            q = None  # greedy rows need q only for the confidence rule
+            if not all_greedy or self.threshold > 0:
+                q = filtered_probs(logits, temps, [s.params.top_k for s in seqs],
+                                   [s.params.top_p for s in seqs])     # [A, V]
+            if not all_greedy:  # inverse-CDF draw from q, keyed like verification
+                u = uniform(torch.tensor([s.seed for s in seqs]),
+                            torch.tensor([s.num_output_tokens for s in seqs]),
+                            torch.full((len(seqs),), step), STREAM_DRAFT)
+                cdf = torch.cumsum(q, dim=-1)
+                sampled = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+                tokens = torch.where(greedy, tokens, sampled.clamp(max=q.shape[-1] - 1))
             # confidence: the draft's probability of its own token (greedy rows: at T=1)
-            conf = q.gather(1, tokens[:, None]).squeeze(1)
+            conf = None if self.threshold == 0 else q.gather(1, tokens[:, None]).squeeze(1)
+            token_list = tokens.tolist()
             still = []
             for a, i in enumerate(active):
-                if self.threshold > 0 and conf[a] < self.threshold:
+                if conf is not None and conf[a] < self.threshold:
                     out[i].stopped_by_confidence = True
                     continue
-                out[i].token_ids.append(int(tokens[a]))
-                probs[i].append(q[a])
+                out[i].token_ids.append(token_list[a])
+                if q is not None:
+                    probs[i].append(q[a])
                 if len(out[i].token_ids) < rows[i][1]:
-                    feed[i] = [int(tokens[a])]
+                    feed[i] = [token_list[a]]
                     still.append(i)
             active = still
             step += 1
         for i, p in enumerate(probs):
-            if p:
+            if p and len(p) == len(out[i].token_ids):
                 out[i].probs = torch.stack(p)
         return out
 
