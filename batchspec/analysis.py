@@ -68,6 +68,9 @@ BREAKDOWN_KEYS = {"domain": pl.col("domain"), "draft": pl.col("draft"),
 
 request_alpha = _ratio(pl.col("total_accepted"), pl.col("total_drafted"))
 is_speculative = pl.col("draft").is_not_null()
+# Tokens emitted by decode rounds: a request's first token comes from its prefill pass, which
+# `rounds` does not count (so tokens per target pass = decode_tokens / rounds).
+decode_tokens = (pl.col("tokens_generated").cast(pl.Int64) - 1).clip(lower_bound=0)
 
 
 def _rates() -> list[pl.Expr]:
@@ -81,7 +84,7 @@ def _rates() -> list[pl.Expr]:
         _ratio(accepted, drafted).alias("acceptance_rate"),
         *(request_alpha.quantile(q, "linear").alias(f"p{round(q * 100)}") for q in (0.5, 0.9, 0.99)),
         tokens.alias("tokens_generated"), rounds.alias("rounds"),
-        _ratio(tokens, rounds).alias("tokens_per_pass"),
+        _ratio(decode_tokens.sum(), rounds).alias("tokens_per_pass"),
         _ratio(_sum("skipped_by_confidence", is_speculative),
                _sum("rounds", is_speculative)).alias("skip_rate"),
         _ratio(pl.col("fallback_triggered").filter(is_speculative).sum(),
@@ -158,6 +161,7 @@ def speedup_query(lf: pl.LazyFrame) -> pl.LazyFrame:
     return (lf.group_by(pl.col("target"), is_speculative.alias("speculative"),
                         pl.col("k_max").alias("k"))
             .agg(pl.len().alias("requests"), _sum("tokens_generated"), _sum("rounds"),
+                 decode_tokens.sum().alias("decode_tokens"),
                  pl.col("wall_s").fill_nan(None).sum(),
                  theoretical.sum().alias("speedup_theoretical_sum"),
                  theoretical.count().alias("speedup_theoretical_count")))
@@ -171,7 +175,7 @@ def _passes_per_round(p: float, k: pl.Expr) -> pl.Expr:
 def _speedup(sp: pl.DataFrame, p: float | None) -> dict:
     spec, plain = sp.filter("speculative"), sp.filter(~pl.col("speculative"))
     out = spec.select(
-        _ratio(pl.col("tokens_generated").sum(), pl.col("rounds").sum()).alias("tokens_per_pass"),
+        _ratio(pl.col("decode_tokens").sum(), pl.col("rounds").sum()).alias("tokens_per_pass"),
         (pl.lit(None, pl.Float64) if p is None else
          _ratio((pl.col("rounds") * _passes_per_round(p, pl.col("k"))).sum(),
                 pl.col("rounds").sum())).alias("predicted_tokens_per_pass"),

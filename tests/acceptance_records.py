@@ -14,10 +14,11 @@ from batchspec.io.schema import ACCEPTANCE_SCHEMA
 def make_record(request_id: str, rounds: list[tuple[int, int]], *, positions=None,
                 domain="chat", draft="d0", temperature=0.0, k=4, job_id="job0",
                 target="t0", skipped=0, fallback=False, speedup=1.5, wall_s=1.0) -> dict:
-    """rounds: (drafted, accepted) per round; a round emits accepted + 1 tokens, so the output
-    position of each round follows unless `positions` gives them."""
+    """rounds: (drafted, accepted) per decode round; a round emits accepted + 1 tokens after
+    the first token (which the prefill pass emits), so the output position of each round
+    follows unless `positions` gives them."""
     if positions is None:
-        positions = [sum(a + 1 for _, a in rounds[:i]) for i in range(len(rounds))]
+        positions = [1 + sum(a + 1 for _, a in rounds[:i]) for i in range(len(rounds))]
     depth_drafted, depth_accepted = [0] * k, [0] * k
     for n, a in rounds:
         assert 0 <= a <= n <= k
@@ -25,14 +26,14 @@ def make_record(request_id: str, rounds: list[tuple[int, int]], *, positions=Non
             depth_drafted[d] += 1
             depth_accepted[d] += d < a
     drafted, accepted = sum(n for n, _ in rounds), sum(a for _, a in rounds)
-    tokens = sum(a + 1 for _, a in rounds)
+    tokens = 1 + sum(a + 1 for _, a in rounds)
     return dict(
         request_id=request_id, job_id=job_id, shard="part-00000", domain=domain,
         target=target, draft=draft, temperature=temperature, k_max=k,
         confidence_threshold=0.0, tokens_generated=tokens, rounds=len(rounds),
         total_drafted=drafted, total_accepted=accepted,
         acceptance_rate=accepted / drafted if drafted else None,
-        mean_accepted_length=tokens / len(rounds) if rounds else None,
+        mean_accepted_length=(tokens - 1) / len(rounds) if rounds else None,
         drafted_per_depth=depth_drafted, accepted_per_depth=depth_accepted,
         round_output_pos=positions, round_drafted=[n for n, _ in rounds],
         round_accepted=[a for _, a in rounds], skipped_by_confidence=skipped,
@@ -40,9 +41,9 @@ def make_record(request_id: str, rounds: list[tuple[int, int]], *, positions=Non
 
 
 def plain_record(request_id: str, num_tokens: int, **kw) -> dict:
-    """A request decoded without speculation: one token per round, nothing drafted."""
+    """A request decoded without speculation: the prefill token, then one token per round."""
     kw.setdefault("speedup", None)
-    return make_record(request_id, [(0, 0)] * num_tokens, draft=None, **kw)
+    return make_record(request_id, [(0, 0)] * (num_tokens - 1), draft=None, **kw)
 
 
 def write_records(path: str, records: list[dict]) -> str:
