@@ -2,9 +2,11 @@
 sequence's speculation bookkeeping. job_id and shard are filled in by the job runner.
 
 speedup_theoretical = E[tokens per target pass] / (1 + k * c) with
-E = (1 - α^(k+1)) / (1 - α) (Leviathan et al. 2023), α the request's acceptance rate,
-k its k_max and c the draft's cost relative to the target, estimated by the ratio of
-parameter counts (0 for n-gram drafts)."""
+E = (1 - p^(k+1)) / (1 - p) (Leviathan et al. 2023), k the request's k_max, c the draft's cost
+relative to the target, estimated by the ratio of parameter counts (0 for n-gram drafts), and
+p the per-token acceptance probability: accepted / (accepted + rounds that ended in a
+rejection). p, not α = accepted / drafted, is the i.i.d. rate the formula assumes: α also
+counts the drafts after a rejection, which are never judged."""
 from __future__ import annotations
 
 from batchspec.engine.sequence import Sequence
@@ -24,7 +26,9 @@ def acceptance_record(seq: Sequence, *, target: str, draft_path: str | None, k_m
     alpha = accepted / drafted if drafted else None
     speedup = None
     if alpha is not None:
-        speedup = expected_tokens_per_pass(alpha, k_max) / (1.0 + k_max * cost_ratio)
+        rejections = sum(a < d for d, a in zip(s.round_drafted, s.round_accepted))
+        p = accepted / (accepted + rejections) if accepted + rejections else 0.0
+        speedup = expected_tokens_per_pass(p, k_max) / (1.0 + k_max * cost_ratio)
     n_out = seq.num_output_tokens
     return {
         "request_id": seq.request_id,
