@@ -18,7 +18,7 @@ class EngineConfig:
     dtype: str = "auto"               # auto | float32 | bfloat16 | float16
     seed: int = 0
     # paged KV cache and batching
-    block_size: int = 16
+    block_size: int | None = None     # tokens per KV block; None: 16 (torch), 256 (flash)
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: 2 GiB on CPU, 90% of free memory on GPU
     max_num_seqs: int = 256
@@ -52,8 +52,6 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ValueError("confidence_threshold must be in [0, 1)")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flash"):
@@ -73,6 +71,19 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.attention_backend == "auto":
+            self.attention_backend = "torch"
+            if self.device.startswith("cuda"):
+                from batchspec.layers.attention import flash_available
+                if flash_available():
+                    self.attention_backend = "flash"
+        if self.block_size is None:
+            self.block_size = 256 if self.attention_backend == "flash" else 16
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.attention_backend == "flash" and self.block_size % 256:
+            raise ValueError("flash-attn reads a paged KV cache in blocks of a multiple of "
+                             "256 tokens: set block_size=256 (or attention_backend='torch')")
 
     @property
     def speculative(self) -> bool:

@@ -12,7 +12,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelRunner:
-    def __init__(self, path: str, device: str, dtype: str, attention_backend: str = "auto"):
+    def __init__(self, path: str, device: str, dtype: str, attention_backend: str = "torch"):
         self.path = path
         self.device = torch.device(device)
         self.cfg = read_config(path)
@@ -21,9 +21,6 @@ class ModelRunner:
                               if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings))
         self.model = LlamaForCausalLM(self.cfg, weights, DTYPES[dtype], self.device)
         del weights
-        if attention_backend == "auto":
-            attention_backend = "flash" if self.device.type == "cuda" and flash_available() \
-                else "torch"
         if attention_backend == "flash" and not flash_available():
             raise RuntimeError("attention_backend='flash' needs CUDA and the flash-attn package")
         self.attention_backend = attention_backend

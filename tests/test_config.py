@@ -1,0 +1,32 @@
+"""EngineConfig: one validation path with errors that say what to fix."""
+import pytest
+
+from batchspec.config import EngineConfig
+from batchspec.sampling import SamplingParams
+
+
+def test_defaults_are_resolved(tiny_llama):
+    c = EngineConfig(model=tiny_llama, device="cpu")
+    assert (c.dtype, c.attention_backend, c.block_size) == ("float32", "torch", 16)
+    assert EngineConfig(model=tiny_llama, device="cpu", attention_backend="flash").block_size == 256
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(drafts={"code": "/nonexistent"}), "draft for domain 'code'"),
+    (dict(dtype="int8"), "dtype must be"),
+    (dict(block_size=12), "power of two"),
+    (dict(attention_backend="flash", block_size=16), "multiple of 256"),
+    (dict(confidence_threshold=1.5), "confidence_threshold"),
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    (dict(num_threads=0), "num_threads"),
+])
+def test_bad_settings_fail_fast(tiny_llama, kwargs, match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        EngineConfig(model=tiny_llama, device="cpu", **kwargs)
+
+
+def test_sampling_params_validation():
+    assert SamplingParams(top_k=-1).top_k == 0
+    for bad in (dict(temperature=-1), dict(top_p=0.0), dict(max_tokens=0), dict(top_k=-2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
