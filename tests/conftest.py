@@ -12,6 +12,12 @@ if ROOT not in sys.path:
 # Subprocesses (CLI, Celery workers) import the package from this checkout.
 os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models gain nothing from intra-op threads, and on a 2-core machine shared with worker
+# processes spinning thread pools slow them down by an order of magnitude.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 # Fixture modules owned by parts of the suite.
 pytest_plugins = [m for m in ("tests.fixtures_redis",)

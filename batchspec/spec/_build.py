@@ -1,0 +1,87 @@
+"""Build glue for the verification kernels: JIT-compile kernels/ with torch cpp_extension.
+
+Two flavours of one bindings file (kernels/verify_ops.cpp):
+  cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler)
+  cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
+Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
+directory per torch version; torch rebuilds when a source changes.
+`python -m batchspec.spec._build [--cuda]` builds ahead of time (e.g. in a Docker image).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+NAMESPACE = {False: "batchspec", True: "batchspec_cuda"}
+_errors: dict[bool, str] = {}
+
+
+def kernel_dir() -> Path:
+    """kernels/ of an installed package (batchspec/kernels) or of a source checkout."""
+    pkg = Path(__file__).resolve().parents[1]
+    for d in (pkg / "kernels", pkg.parent / "kernels"):
+        if (d / "verify_core.h").is_file():
+            return d
+    raise FileNotFoundError(f"verification kernel sources not found next to {pkg}")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BATCHSPEC_CACHE") or os.path.join(Path.home(), ".cache", "batchspec")
+    return Path(root) / "kernels"
+
+
+def load(cuda: bool = False):
+    """Compile (or reuse) and load one flavour; returns its torch.ops namespace. Raises on
+    failure (missing compiler/nvcc, compile error); a failure is remembered, not retried."""
+    if cuda in _errors:
+        raise RuntimeError(_errors[cuda])
+    ns = getattr(torch.ops, NAMESPACE[cuda])
+    if hasattr(ns, "rejection_sample"):
+        return ns
+    try:
+        _compile(cuda)
+    except Exception as e:
+        msg = str(e).strip().splitlines()
+        _errors[cuda] = f"{type(e).__name__}: {msg[-1] if msg else ''}"
+        raise
+    return ns
+
+
+def _compile(cuda: bool) -> None:
+    from torch.utils import cpp_extension
+
+    if cuda and not (torch.cuda.is_available() and cpp_extension.CUDA_HOME):
+        raise RuntimeError("CUDA build needs CUDA torch, a GPU and nvcc (CUDA_HOME)")
+    src = kernel_dir()
+    flavour = "cuda" if cuda else "cpu"
+    build = cache_dir() / re.sub(r"[^\w.]+", "_", f"torch{torch.__version__}-{flavour}")
+    build.mkdir(parents=True, exist_ok=True)
+    sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else [])
+    cflags = ["-O3", f"-DBS_NS={NAMESPACE[cuda]}"] + (["-DBS_WITH_CUDA"] if cuda else [])
+    cpp_extension.load(
+        name=f"batchspec_verify_{flavour}", sources=sources, build_directory=str(build),
+        extra_cflags=cflags, extra_include_paths=[str(src)],
+        extra_cuda_cflags=["-O3", "--fmad=false", "-lineinfo"] if cuda else None,
+        is_python_module=False, verbose=bool(os.environ.get("BATCHSPEC_BUILD_VERBOSE")))
+
+
+def load_error(cuda: bool = False) -> str | None:
+    """None when the flavour loads, else a one-line reason."""
+    try:
+        load(cuda)
+        return None
+    except Exception:  # noqa: BLE001 - any build failure means "fall back"
+        return _errors.get(cuda, "load failed")
+
+
+if __name__ == "__main__":
+    want_cuda = "--cuda" in sys.argv[1:]
+    load(False)
+    print("cpu kernel:", cache_dir())
+    if want_cuda:
+        load(True)
+        print("cuda kernel:", cache_dir())

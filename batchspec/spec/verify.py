@@ -1,0 +1,98 @@
+"""Verification op of speculative decoding: rejection sampling over a ragged batch.
+
+Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318). Request b owns
+draft positions cu[b] .. cu[b+1]-1 and target rows cu[b]+b .. cu[b+1]+b (one per draft, then
+its bonus row). Greedy rows (T = 0) accept while draft == argmax; random rows accept draft x
+with probability min(1, p(x)/q(x)), emit a draw from norm(max(0, p - q)) at the first
+rejection, or a bonus draw from p when all drafts are accepted. The emitted tokens are then
+distributed exactly as sampling from p = softmax(top_p(top_k(logits / T))).
+
+Backends: "torch" (verify_torch.py, the reference), "cpu" (kernels/verify_core.h compiled for
+the host), "cuda" (kernels/verify_kernel.cu). All draw from the counter-based RNG keyed by
+(seed, offset, position) (batchspec.spec.rng), so they return the same tokens. "auto" picks
+cuda > cpu > torch; env BATCHSPEC_VERIFY_BACKEND replaces "auto".
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from batchspec.spec import _build
+from batchspec.spec.verify_torch import filter_logits, rejection_sample_torch, target_probs
+
+__all__ = ["rejection_sample", "resolve_backend", "filter_logits", "target_probs",
+           "rejection_sample_torch", "BACKENDS"]
+
+BACKENDS = ("auto", "torch", "cpu", "cuda")
+_warned = False
+
+
+def _kernel_ok(cuda: bool) -> bool:
+    """Build/load the kernel library; on failure warn once (the caller falls back)."""
+    global _warned
+    err = _build.load_error(cuda)
+    if err is not None and not _warned:
+        _warned = True
+        warnings.warn(f"batchspec verification kernel unavailable ({err}); "
+                      "using the torch reference", RuntimeWarning, stacklevel=3)
+    return err is None
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The backend that runs for tensors on `device`: explicit names are honoured (and
+    raise if unusable), "auto" (or env BATCHSPEC_VERIFY_BACKEND) degrades to what works."""
+    if backend == "auto":
+        backend = os.environ.get("BATCHSPEC_VERIFY_BACKEND", "auto").strip().lower() or "auto"
+        explicit = False
+    else:
+        explicit = True
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown verification backend {backend!r}; expected one of {BACKENDS}")
+    on_cuda = torch.device(device).type == "cuda"
+    if backend in ("cuda", "cpu") and (backend == "cuda") != on_cuda:
+        if explicit:
+            raise ValueError(f"backend {backend!r} cannot run on {torch.device(device)} tensors")
+        backend = "auto"
+    if backend == "auto":
+        backend = "cuda" if on_cuda else "cpu"
+    if backend == "torch":
+        return backend
+    if explicit:
+        _build.load(cuda=on_cuda)       # raises with the compiler's message
+        return backend
+    return backend if _kernel_ok(on_cuda) else "torch"
+
+
+def rejection_sample(target_logits, draft_probs, draft_token_ids, cu_num_draft, temperature,
+                     seeds, offsets, *, top_k=None, top_p=None, backend="auto"):
+    """Verify a ragged batch of drafts against the target and emit the next tokens.
+
+    target_logits [N+B, V] fp32/bf16/fp16   draft_probs [N, V] fp32 or None (one-hot drafts)
+    draft_token_ids [N]   cu_num_draft [B+1] int32   temperature [B] fp32 (0: greedy)
+    seeds, offsets [B] int64   top_k [B] int32 (0: off) or None   top_p [B] fp32 (1: off) or None
+    Returns (output_token_ids [B, max_n+1] int32 padded with -1, num_accepted [B] int32).
+    """
+    backend = resolve_backend(backend, target_logits.device)
+    if backend == "torch":
+        return rejection_sample_torch(target_logits, draft_probs, draft_token_ids,
+                                      cu_num_draft, temperature, seeds, offsets, top_k, top_p)
+    ops = _build.load(cuda=backend == "cuda")
+    dev = target_logits.device
+    B = cu_num_draft.numel() - 1
+    cu = cu_num_draft.to(dev, torch.int32).contiguous()
+    max_n = int((cu[1:] - cu[:-1]).max()) if B > 0 else 0     # one sync: the output width
+    args = [target_logits.contiguous(),
+            None if draft_probs is None else draft_probs.to(dev, torch.float32).contiguous(),
+            draft_token_ids.to(dev, torch.int32).contiguous(), cu,
+            temperature.to(dev, torch.float32).contiguous(),
+            seeds.to(dev, torch.int64).contiguous(), offsets.to(dev, torch.int64).contiguous(),
+            None if top_k is None else top_k.to(dev, torch.int32).contiguous(),
+            None if top_p is None else top_p.to(dev, torch.float32).contiguous()]
+    logits = args[0]
+    assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert logits.shape[0] == draft_token_ids.numel() + B, "target rows must be N + B"
+    assert draft_probs is None or tuple(draft_probs.shape) == (draft_token_ids.numel(),
+                                                               logits.shape[1])
+    return ops.rejection_sample(*args, max_n)

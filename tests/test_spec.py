@@ -1,0 +1,174 @@
+"""Speculative decoding in the batched engine: exactness (greedy and sampled), acceptance
+records, per-domain drafts, confidence threshold, fallback."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from batchspec import LLM, SamplingParams
+from batchspec.layers.sampler import filtered_probs
+
+PROMPTS = ["def foo(x):\n    return x", "import os\nimport sys\nimport os", "a b a b a b a",
+           "The quick brown fox jumps over the lazy dog", "x"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(tiny_llama, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("draft", ["target", "random", "ngram"])
+def test_greedy_spec_equals_plain(tiny_llama, tiny_draft, plain, draft):
+    path = {"target": tiny_llama, "random": tiny_draft, "ngram": "ngram"}[draft]
+    llm = LLM(tiny_llama, drafts={"default": path}, num_speculative_tokens=4, device="cpu",
+              min_acceptance=0.0)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for p, o in zip(plain, outs):
+        assert o.token_ids == p.token_ids
+        assert o.stats["total_drafted"] > 0 or draft == "ngram"
+    if draft == "target":
+        assert all(o.stats["acceptance_rate"] == 1.0 for o in outs)
+
+
+def test_perfect_draft_accepts_everything(tiny_llama):
+    k = 4
+    llm = LLM(tiny_llama, drafts={"default": tiny_llama}, num_speculative_tokens=k,
+              device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=1 + 6 * (k + 1), ignore_eos=True)
+    for o in llm.generate(PROMPTS, params, use_tqdm=False):
+        s = o.stats
+        assert s["acceptance_rate"] == 1.0
+        assert s["rounds"] == 6 and s["mean_accepted_length"] == k + 1
+        assert s["round_drafted"] == [k] * 6 and s["accepted_per_depth"] == [6] * k
+
+
+def check_record(o):
+    s = o.stats
+    assert s["tokens_generated"] == len(o.token_ids)
+    assert s["total_accepted"] <= s["total_drafted"]
+    assert sum(s["drafted_per_depth"]) == s["total_drafted"] == sum(s["round_drafted"])
+    assert sum(s["accepted_per_depth"]) == s["total_accepted"] == sum(s["round_accepted"])
+    assert s["rounds"] == len(s["round_drafted"]) == len(s["round_output_pos"])
+    assert all(a <= d for a, d in zip(s["round_accepted"], s["round_drafted"]))
+    # every round emits its accepted drafts plus one token (the stop may cut the last one)
+    assert 1 + s["rounds"] + s["total_accepted"] >= s["tokens_generated"]
+    if o.finish_reason == "length":
+        assert 1 + s["rounds"] + s["total_accepted"] == s["tokens_generated"]
+    assert s["round_output_pos"] == sorted(s["round_output_pos"])
+    if s["total_drafted"]:
+        assert s["acceptance_rate"] == s["total_accepted"] / s["total_drafted"]
+        assert s["speedup_theoretical"] > 0
+
+
+def test_records_consistent_and_routing_by_domain(tiny_llama, tiny_draft, model_factory):
+    code_draft = model_factory("llama", seed=7, num_layers=1, hidden_size=32, num_heads=2,
+                               num_kv_heads=1)
+    llm = LLM(tiny_llama, drafts={"default": tiny_draft, "code": code_draft, "rag": "ngram"},
+              num_speculative_tokens=3, device="cpu", min_acceptance=0.0)
+    domains = ["code", None, "rag", "unknown", "code"]
+    params = [SamplingParams(temperature=t, max_tokens=30) for t in (0.0, 0.8, 0.0, 1.0, 0.5)]
+    outs = llm.generate(PROMPTS, params, domains=domains, use_tqdm=False)
+    expect = {"code": code_draft, None: tiny_draft, "rag": "ngram", "unknown": tiny_draft}
+    for o, d in zip(outs, domains):
+        assert o.draft == expect[d] == o.stats["draft"]
+        assert o.domain == d == o.stats["domain"]
+        check_record(o)
+
+
+def test_no_default_draft_means_plain_for_other_domains(tiny_llama, tiny_draft):
+    llm = LLM(tiny_llama, drafts={"code": tiny_draft}, device="cpu")
+    a, b = llm.generate(["x", "y"], GREEDY, domains=["code", "docs"], use_tqdm=False)
+    assert a.draft == tiny_draft and a.stats["total_drafted"] > 0
+    assert b.draft is None and b.stats["total_drafted"] == 0
+    assert b.stats["acceptance_rate"] is None
+
+
+def test_confidence_threshold_cuts_windows_and_stays_exact(tiny_llama, tiny_draft, plain):
+    llm = LLM(tiny_llama, drafts={"default": tiny_draft}, confidence_threshold=0.02,
+              device="cpu", min_acceptance=0.0)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert sum(o.stats["skipped_by_confidence"] for o in outs) > 0
+    for p, o in zip(plain, outs):
+        assert o.token_ids == p.token_ids
+        check_record(o)
+
+
+def test_fallback_when_acceptance_is_low(tiny_llama, tiny_draft, plain):
+    llm = LLM(tiny_llama, drafts={"default": tiny_draft}, device="cpu", min_acceptance=0.4,
+              fallback_window=20, fallback_min_drafted=12)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for p, o in zip(plain, outs):
+        assert o.token_ids == p.token_ids
+        assert o.stats["fallback_triggered"] and o.stats["total_drafted"] <= 12 + 4
+        assert o.stats["round_drafted"][-1] == 0
+
+
+def test_max_spec_temperature(tiny_llama, tiny_draft):
+    llm = LLM(tiny_llama, drafts={"default": tiny_draft}, device="cpu",
+              max_spec_temperature=0.5)
+    hot, cold = llm.generate(["x", "x"], [SamplingParams(temperature=1.0, max_tokens=8),
+                                          SamplingParams(temperature=0.3, max_tokens=8)],
+                             use_tqdm=False)
+    assert hot.draft is None and cold.draft == tiny_draft
+
+
+def test_draft_with_other_vocabulary_is_refused(tiny_llama, model_factory):
+    other = model_factory("llama", vocab_size=64, tokenizer=False, seed=2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(tiny_llama, drafts={"default": other}, device="cpu")
+
+
+def exact_joint(llm, prompt, n_tokens, temperature, top_p):
+    """Target's exact distribution over the first n_tokens outputs, by enumeration."""
+    V = llm.engine.target.cfg.vocab_size
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(llm.config.model, dtype=torch.float32)
+    joint = {}
+    for seq in itertools.product(range(V), repeat=n_tokens - 1):
+        ids = torch.tensor([prompt + list(seq)])
+        with torch.no_grad():
+            logits = hf(ids).logits[0, len(prompt) - 1:]
+        probs = filtered_probs(logits, torch.full((len(logits),), temperature),
+                               [0] * len(logits), [top_p] * len(logits))
+        prefix = 1.0
+        for j, t in enumerate(seq):
+            prefix *= float(probs[j, t])
+        for t in range(V):
+            joint[seq + (t,)] = prefix * float(probs[n_tokens - 1, t])
+    return joint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_speculative_sampling_is_exact(model_factory, temperature, top_p):
+    """First three outputs: token 1 comes from prefill, tokens 2-3 from a speculative round
+    (one draft: accept -> draft + bonus, reject -> corrected token then a plain round)."""
+    V = 6
+    target = model_factory("llama", vocab_size=V, tokenizer=False, init_std=0.6, seed=11)
+    draft = model_factory("llama", vocab_size=V, tokenizer=False, init_std=0.6, seed=12,
+                          num_layers=1)
+    llm = LLM(target, drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
+              min_acceptance=0.0)
+    prompt, n = [1, 2, 3], 6000
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, seed=s)
+              for s in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    drafted = sum(o.stats["total_drafted"] for o in outs)
+    accepted = sum(o.stats["total_accepted"] for o in outs)
+    assert drafted > 0.9 * n and 0 < accepted < drafted  # both paths exercised
+    joint = exact_joint(llm, prompt, 3, temperature, top_p)
+    keys = list(joint)
+    counts = {k: 0 for k in keys}
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1
+    exp = np.array([joint[k] for k in keys]) * n
+    obs = np.array([counts[k] for k in keys])
+    assert obs[exp == 0].sum() == 0
+    big = exp >= 5  # pool the rare outcomes into one cell
+    obs_c = np.append(obs[big], obs[~big].sum())
+    exp_c = np.append(exp[big], exp[~big].sum())
+    _, pvalue = chisquare(obs_c, exp_c * obs_c.sum() / exp_c.sum())
+    assert pvalue > 1e-3
