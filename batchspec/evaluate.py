@@ -34,6 +34,12 @@ def load_prompts(data: str | None, domain: str | None, num: int | None, *, split
     if domain:
         df = df.filter(pl.col("domain") == domain)
     rows = df.select("prompt", "domain").to_dicts()
+    if num and num < len(rows):  # an even share of each domain, not the file's first rows
+        by_domain: dict[str, list[dict]] = {}
+        for r in rows:
+            by_domain.setdefault(r["domain"], []).append(r)
+        groups = list(by_domain.values())
+        rows = [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
     return rows[:num] if num else rows
 
 
@@ -56,7 +62,8 @@ def _records_engine(target, draft, prompts, *, k, temperature, max_tokens, seed)
     llm = LLM(target, drafts={"default": draft}, num_speculative_tokens=k, device="cpu",
               seed=seed, min_acceptance=0.0)
     outs = llm.generate([p["prompt"] for p in prompts],
-                        SamplingParams(temperature=temperature, max_tokens=max_tokens))
+                        SamplingParams(temperature=temperature, max_tokens=max_tokens),
+                        use_tqdm=False)
     return [{"rounds": o.stats["rounds"], "drafted": o.stats["total_drafted"],
              "accepted": o.stats["total_accepted"], "tokens": o.stats["tokens_generated"] - 1}
             for o in outs]

@@ -42,6 +42,8 @@ def save_hf(model, tokenizer, out_dir: str, dtype=torch.bfloat16) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     # Cast a copy: the caller's fp32 weights may still be trained further.
     state_dict = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # one copy of the shared matrix, as HF saves it
+        state_dict.pop("lm_head.weight", None)
     model.config.dtype = dtype
     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

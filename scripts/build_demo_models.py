@@ -146,6 +146,11 @@ def step_distill(name: str, init: str, domain: str | None, minutes: float, num_p
                            domain=domain, init=init, seconds=minutes * 60,
                            num_prompts=num_prompts, eval_data=build_path("heldout.parquet"),
                            work_dir=build_path(f"{name}.work"))
+    # The bundled report names models relative to the checkout, not this machine's paths.
+    for key in ("target", "init"):
+        report[key] = os.path.relpath(report[key], ROOT)
+    with open(os.path.join(MODELS, name, "distill.json"), "w") as f:
+        json.dump(report, f, indent=1)
     print(json.dumps(report))
 
 

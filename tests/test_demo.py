@@ -114,12 +114,13 @@ def test_distill_cli_needs_a_target():
 
 def test_replay_windows_counts_rounds_like_the_engine():
     from batchspec.hfref import replay_windows
-    # first token from prefill; then 7 tokens in rounds of up to k=4 drafts
-    assert replay_windows([True] * 8, 4) == {"rounds": 2, "drafted": 6, "accepted": 6,
+    # first token from prefill; 7 more in rounds of up to k=4 drafts, never drafting past
+    # the end: 4 drafts (+1 target token), then 1 draft (+1)
+    assert replay_windows([True] * 8, 4) == {"rounds": 2, "drafted": 5, "accepted": 5,
                                              "tokens": 7}
-    # rejections: round 1 drafts 3, keeps 1 (+1 target); round 2 drafts 1, keeps 0
+    # round 1 drafts 3 and keeps 1 (+1 target token); round 2 drafts 1 and keeps it (+1)
     assert replay_windows([True, True, False, True, False], 4) == {
-        "rounds": 3, "drafted": 4, "accepted": 1, "tokens": 4}
+        "rounds": 2, "drafted": 4, "accepted": 2, "tokens": 4}
 
 
 def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_parquet, tmp_path):
