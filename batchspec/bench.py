@@ -1,0 +1,186 @@
+"""`batchspec bench`: transformers and batchspec side by side, in one process, on the same
+prompts and the same target.
+
+Methods: `hf` (transformers generate, padded batches), `hf-assisted` (transformers assisted
+generation with the general draft, k constant, batch size 1 as it requires), `plain`
+(batchspec without drafts), `spec` (general draft), `spec-domain` (a draft per domain),
+`ngram` (prompt lookup). For each batch size and temperature it reports tokens/s, α, tokens
+per target pass, speedups over each baseline and observed / theoretical speedup, where
+theoretical = E[tokens per pass] / (1 + k c) (Leviathan et al. 2023), c = draft/target
+parameter ratio, and observed = tokens/s over batchspec plain at the same batch size and T."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import click
+import torch
+
+from batchspec import hfref
+from batchspec.evaluate import load_prompts
+
+METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "ngram")
+
+
+def _csv(kind):
+    return lambda ctx, param, value: [kind(v) for v in value.split(",") if v] if value else []
+
+
+def run_hf(model, prompt_ids, *, batch_size, temperature, max_tokens, eos_id, seed):
+    t0 = time.perf_counter()
+    outs = hfref.generate(model, prompt_ids, max_tokens=max_tokens, temperature=temperature,
+                          eos_id=eos_id, seed=seed, batch_size=batch_size)
+    return {"tokens": sum(len(o) for o in outs), "wall_s": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def run_assisted(model, draft, prompt_ids, *, temperature, max_tokens, eos_id, seed, k):
+    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) \
+        if temperature > 0 else dict(do_sample=False)
+    tokens, t0 = 0, time.perf_counter()
+    for i, ids in enumerate(prompt_ids):
+        torch.manual_seed(seed + i)
+        gen = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                             dtype=torch.long), assistant_model=draft, max_new_tokens=max_tokens,
+                             num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                             assistant_confidence_threshold=0.0, pad_token_id=eos_id,
+                             eos_token_id=eos_id, **sample)
+        tokens += gen.shape[1] - len(ids)
+    return {"tokens": tokens, "wall_s": time.perf_counter() - t0}
+
+
+def run_engine(llm, prompt_ids, domains, *, temperature, max_tokens):
+    from batchspec import SamplingParams
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_ids, SamplingParams(temperature=temperature, max_tokens=max_tokens),
+                        domains=domains, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    stats = [o.stats for o in outs]
+    return {"tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall,
+            "drafted": sum(s["total_drafted"] for s in stats),
+            "accepted": sum(s["total_accepted"] for s in stats),
+            "rounds": sum(s["rounds"] for s in stats),
+            "round_tokens": sum(s["tokens_generated"] - 1 for s in stats)}
+
+
+def make_llm(method, models, batch_size, k, seed):
+    from batchspec import LLM
+    drafts = {"plain": {}, "spec": {"default": models["draft"]}, "ngram": {"default": "ngram"},
+              "spec-domain": {"default": models["draft"], "code": models["draft-code"],
+                              "docs": models["draft-docs"]}}[method]
+    # min_acceptance=0: measure speculation itself, without the production fallback.
+    return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
+               dtype="float32", seed=seed, max_num_seqs=batch_size, min_acceptance=0.0)
+
+
+def finish_row(row, k, cost):
+    from batchspec.spec.stats import expected_tokens_per_pass
+    row["tok_s"] = round(row["tokens"] / row["wall_s"], 1)
+    if row.get("drafted"):
+        alpha = row["accepted"] / row["drafted"]
+        row["alpha"] = round(alpha, 4)
+        row["tokens_per_pass"] = round(row["round_tokens"] / max(1, row["rounds"]), 3)
+        row["speedup_theoretical"] = round(expected_tokens_per_pass(alpha, k) / (1 + k * cost), 3)
+    return row
+
+
+def add_speedups(rows):
+    """Speedups of every row over each baseline at the same temperature (hf and plain at the
+    same batch size; assisted generation exists at batch size 1 only)."""
+    def find(method, b, t):
+        return next((r for r in rows if r["method"] == method and r["batch_size"] == b
+                     and r["temperature"] == t), None)
+    for r in rows:
+        for base, b in (("hf", r["batch_size"]), ("hf-assisted", 1), ("plain", r["batch_size"])):
+            ref = find(base, b, r["temperature"])
+            if ref is not None and ref is not r:
+                r[f"x_{base}"] = round(r["tok_s"] / ref["tok_s"], 3)
+        if "speedup_theoretical" in r and "x_plain" in r:
+            r["observed_over_theoretical"] = round(r["x_plain"] / r["speedup_theoretical"], 3)
+
+
+def print_table(rows):
+    cols = [("method", "{:<12}"), ("batch_size", "{:>3}"), ("temperature", "{:>5}"),
+            ("tok_s", "{:>8}"), ("alpha", "{:>7}"), ("tokens_per_pass", "{:>8}"),
+            ("x_hf", "{:>7}"), ("x_hf-assisted", "{:>9}"), ("x_plain", "{:>8}"),
+            ("speedup_theoretical", "{:>7}"), ("observed_over_theoretical", "{:>9}")]
+    heads = ["method", "B", "T", "tok/s", "alpha", "tok/pass", "x hf", "x assist", "x plain",
+             "theory", "obs/theo"]
+    print(" ".join(f.format(h) for h, (_, f) in zip(heads, cols)))
+    for r in rows:
+        print(" ".join(f.format("-" if r.get(c) is None else r[c]) for c, f in cols))
+
+
+@click.command()
+@click.option("--target", envvar="BATCHSPEC_TARGET", help="Target dir (default: demo target).")
+@click.option("--draft", help="General draft (default: the demo draft).")
+@click.option("--draft-code", help="Draft for domain `code` (default: the demo one).")
+@click.option("--draft-docs", help="Draft for domain `docs` (default: the demo one).")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False),
+              help="Parquet with prompt [, domain]; default: held-out standard-library prompts.")
+@click.option("--domain", help="Only prompts of this domain.")
+@click.option("--num-prompts", type=int, default=32, show_default=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--batch-sizes", default="1,32", show_default=True, callback=_csv(int))
+@click.option("--temperatures", default="0,0.8", show_default=True, callback=_csv(float))
+@click.option("--methods", default=",".join(METHODS), show_default=True, callback=_csv(str))
+@click.option("--k", type=int, default=4, show_default=True, help="Draft tokens per round.")
+@click.option("--threads", type=int, help="torch threads (default: torch's choice).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_tokens,
+          batch_sizes, temperatures, methods, k, threads, seed, json_path):
+    """Benchmark transformers and batchspec side by side on the same prompts and target."""
+    from batchspec.models.loader import num_parameters
+    if bad := set(methods) - set(METHODS):
+        raise click.BadParameter(f"unknown methods {sorted(bad)}; choose from {METHODS}")
+    if threads:
+        torch.set_num_threads(threads)
+    models = {"target": target, "draft": draft, "draft-code": draft_code,
+              "draft-docs": draft_docs}
+    if not all(models.values()):
+        from batchspec.demo import demo_models
+        models = {name: path or demo_models()[name] for name, path in models.items()}
+    prompts = load_prompts(data, domain, num_prompts, split="heldout", seed=seed)
+    tok = hfref.load_tokenizer(models["target"])
+    prompt_ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    domains = [p["domain"] for p in prompts]
+    cost = num_parameters(models["draft"]) / num_parameters(models["target"])
+    t_model = hfref.load_causal_lm(models["target"]) if {"hf", "hf-assisted"} & set(methods) \
+        else None
+    d_model = hfref.load_causal_lm(models["draft"]) if "hf-assisted" in methods else None
+    common = dict(max_tokens=max_tokens, eos_id=tok.eos_token_id, seed=seed)
+    warm = prompt_ids[:2]
+    rows = []
+    for b in batch_sizes:
+        for method in methods:
+            if method == "hf-assisted" and b != 1:
+                continue
+            llm = make_llm(method, models, b, k, seed) if method not in ("hf", "hf-assisted") \
+                else None
+            for t in temperatures:
+                if method == "hf":
+                    run = lambda ids: run_hf(t_model, ids, batch_size=b, temperature=t, **common)  # noqa: E731
+                elif method == "hf-assisted":
+                    run = lambda ids: run_assisted(t_model, d_model, ids, temperature=t, k=k, **common)  # noqa: E731
+                else:
+                    run = lambda ids: run_engine(llm, ids, domains[:len(ids)], temperature=t,  # noqa: E731
+                                                 max_tokens=max_tokens)
+                run(warm)  # first-call costs (allocation, lazy init) are not throughput
+                row = {"method": method, "batch_size": b, "temperature": t, **run(prompt_ids)}
+                rows.append(finish_row(row, k, 0.0 if method == "ngram" else cost))
+                click.echo(f"{method} B={b} T={t}: {rows[-1]['tok_s']} tok/s", err=True)
+    add_speedups(rows)
+    print_table(rows)
+    if json_path:
+        info = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+                "models": models, "num_prompts": len(prompts), "max_tokens": max_tokens,
+                "k": k, "cost_ratio": round(cost, 4), "rows": rows}
+        with open(json_path, "w") as f:
+            json.dump(info, f, indent=1)
+
+
+COMMANDS = [bench]

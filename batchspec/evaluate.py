@@ -1,0 +1,147 @@
+"""`batchspec evaluate`: the acceptance rate α of a draft/target pair on held-out prompts,
+overall, by domain and by temperature, with a gate so that a pipeline can refuse a draft that
+no longer fits its target.
+
+α = accepted / drafted draft tokens (k per round, as the engine counts). The engine backend
+runs real speculative decoding with batchspec's LLM and reads its acceptance records; the
+transformers backend replays it on the target's own continuations (see batchspec.hfref),
+which at T=0 gives the same numbers from one forward pass of each model."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from batchspec import hfref
+
+
+def load_prompts(data: str | None, domain: str | None, num: int | None, *, split: str,
+                 seed: int = 0) -> list[dict]:
+    """[{prompt, domain}] from a Parquet file (columns prompt [, domain]) or, without one,
+    from the demo corpus (the standard library) split `split`."""
+    if data is None:
+        from batchspec.demo.corpus import DOMAINS, corpus_prompts
+        domains = [domain] if domain else list(DOMAINS)
+        per_domain = -(-(num or 64) // len(domains))
+        return corpus_prompts(split, domains, per_domain, seed=seed)[:num]
+    import polars as pl
+    df = pl.read_parquet(data)
+    if "prompt" not in df.columns:
+        raise click.UsageError(f"{data}: needs a 'prompt' column")
+    if "domain" not in df.columns:
+        df = df.with_columns(pl.lit("default").alias("domain"))
+    if domain:
+        df = df.filter(pl.col("domain") == domain)
+    rows = df.select("prompt", "domain").to_dicts()
+    if num and num < len(rows):  # an even share of each domain, not the file's first rows
+        by_domain: dict[str, list[dict]] = {}
+        for r in rows:
+            by_domain.setdefault(r["domain"], []).append(r)
+        groups = list(by_domain.values())
+        rows = [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
+    return rows[:num] if num else rows
+
+
+def _records_transformers(target, draft, prompts, *, k, temperature, max_tokens, seed):
+    tok = hfref.load_tokenizer(target)
+    t_model, d_model = hfref.load_causal_lm(target), hfref.load_causal_lm(draft)
+    if t_model.config.vocab_size != d_model.config.vocab_size:
+        raise click.UsageError("target and draft have different vocabularies")
+    ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    conts = hfref.generate(t_model, ids, max_tokens=max_tokens, temperature=temperature,
+                           eos_id=tok.eos_token_id, seed=seed)
+    return hfref.teacher_forced_acceptance(t_model, d_model, ids, conts, k=k,
+                                           temperature=temperature, pad_id=tok.eos_token_id,
+                                           seed=seed)
+
+
+def _records_engine(target, draft, prompts, *, k, temperature, max_tokens, seed):
+    from batchspec import LLM, SamplingParams
+    # min_acceptance=0: never fall back to plain decoding, so every round is counted.
+    llm = LLM(target, drafts={"default": draft}, num_speculative_tokens=k, device="cpu",
+              seed=seed, min_acceptance=0.0)
+    outs = llm.generate([p["prompt"] for p in prompts],
+                        SamplingParams(temperature=temperature, max_tokens=max_tokens),
+                        use_tqdm=False)
+    return [{"rounds": o.stats["rounds"], "drafted": o.stats["total_drafted"],
+             "accepted": o.stats["total_accepted"], "tokens": o.stats["tokens_generated"] - 1}
+            for o in outs]
+
+
+def engine_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("batchspec.llm") is not None
+
+
+def summarize(records: list[dict]) -> dict:
+    drafted = sum(r["drafted"] for r in records)
+    accepted = sum(r["accepted"] for r in records)
+    rounds = sum(r["rounds"] for r in records)
+    return {"acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "mean_accepted_length": round(sum(r["tokens"] for r in records) / rounds, 3)
+            if rounds else 0.0,
+            "num_requests": len(records), "drafted": drafted, "accepted": accepted}
+
+
+def evaluate_pair(target: str, draft: str, prompts: list[dict], *, temperatures=(0.0,),
+                  k: int = 4, max_tokens: int = 64, seed: int = 0,
+                  backend: str = "transformers") -> dict:
+    """α of the pair over prompts at each temperature: overall, by domain, by temperature."""
+    run = _records_engine if backend == "engine" else _records_transformers
+    rows = []
+    for t in temperatures:
+        recs = run(target, draft, prompts, k=k, temperature=t, max_tokens=max_tokens, seed=seed)
+        rows += [dict(r, domain=p["domain"], temperature=t) for r, p in zip(recs, prompts)]
+    by = lambda key: {str(v): summarize([r for r in rows if r[key] == v])  # noqa: E731
+                      for v in sorted({r[key] for r in rows})}
+    return {"target": target, "draft": draft, "k": k, "max_tokens": max_tokens,
+            "backend": backend, "overall": summarize(rows), "by_domain": by("domain"),
+            "by_temperature": by("temperature")}
+
+
+def print_report(result: dict, file=sys.stdout):
+    print(f"{'':<16}{'alpha':>8}{'tok/pass':>10}{'requests':>10}", file=file)
+    lines = [("overall", result["overall"])]
+    lines += [(f"domain={d}", s) for d, s in result["by_domain"].items()]
+    lines += [(f"T={t}", s) for t, s in result["by_temperature"].items()]
+    for name, s in lines:
+        print(f"{name:<16}{s['acceptance_rate']:>8.3f}{s['mean_accepted_length']:>10.2f}"
+              f"{s['num_requests']:>10}", file=file)
+
+
+@click.command()
+@click.option("--target", required=True, envvar="BATCHSPEC_TARGET", help="Target model dir.")
+@click.option("--draft", required=True, help="Draft model dir (same vocabulary).")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False),
+              help="Parquet with prompt [, domain]; default: held-out standard-library prompts.")
+@click.option("--domain", help="Only prompts of this domain.")
+@click.option("--num-prompts", type=int, help="Use at most this many prompts.")
+@click.option("--temperature", "temperatures", type=float, multiple=True, default=[0.0],
+              show_default=True, help="Repeat for several temperatures.")
+@click.option("--k", type=int, default=4, show_default=True, help="Draft tokens per round.")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--min-acceptance", type=float, help="Exit with status 1 when overall α is below.")
+@click.option("--backend", type=click.Choice(["auto", "engine", "transformers"]),
+              default="auto", show_default=True, help="auto: the engine when installed.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results here.")
+def evaluate(target, draft, data, domain, num_prompts, temperatures, k, max_tokens,
+             min_acceptance, backend, seed, json_path):
+    """Measure the acceptance rate α of DRAFT against TARGET; gate on --min-acceptance."""
+    if backend == "auto":
+        backend = "engine" if engine_available() else "transformers"
+    prompts = load_prompts(data, domain, num_prompts, split="heldout", seed=seed)
+    if not prompts:
+        raise click.UsageError("no prompts to evaluate")
+    result = evaluate_pair(target, draft, prompts, temperatures=temperatures, k=k,
+                           max_tokens=max_tokens, seed=seed, backend=backend)
+    result["min_acceptance"] = min_acceptance
+    print_report(result)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    alpha = result["overall"]["acceptance_rate"]
+    if min_acceptance is not None and alpha < min_acceptance:
+        click.echo(f"FAIL: acceptance rate {alpha:.3f} < {min_acceptance}", err=True)
+        sys.exit(1)

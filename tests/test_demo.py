@@ -1,0 +1,141 @@
+"""The demo model family, `batchspec distill` and `batchspec evaluate` on real (tiny) models."""
+from __future__ import annotations
+
+import json
+import os
+
+import polars as pl
+import pytest
+import torch
+from click.testing import CliRunner
+
+from batchspec import hfref
+from batchspec.distill import distill, distill_draft, kl_loss, make_sequences
+from batchspec.evaluate import evaluate
+from batchspec.training import new_llama, train
+
+TINY_DRAFT = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                  intermediate_size=64)
+
+
+def test_demo_models_load_and_share_vocabulary():
+    from transformers import AutoConfig, AutoTokenizer
+    from batchspec import demo_models
+    paths = demo_models()
+    assert set(paths) == {"target", "draft", "draft-code", "draft-docs"}
+    vocab = {AutoConfig.from_pretrained(p).vocab_size for p in paths.values()}
+    assert len(vocab) == 1
+    tok = AutoTokenizer.from_pretrained(paths["target"])
+    assert len(tok) == vocab.pop() and tok.eos_token is not None
+    model = hfref.load_causal_lm(paths["draft-code"])
+    assert model.config.num_hidden_layers < AutoConfig.from_pretrained(
+        paths["target"]).num_hidden_layers
+    total = sum(os.path.getsize(os.path.join(p, f)) for p in paths.values() for f in os.listdir(p))
+    assert total < 40e6
+
+
+def test_demo_tokenizer_round_trips_code_and_prose():
+    from transformers import AutoTokenizer
+    from batchspec import demo_models
+    tok = AutoTokenizer.from_pretrained(demo_models()["target"])
+    text = "def f(x):\n    return {'é': x ** 2}  # naïve\n\nReturn the square of x.\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert "hi" in chat
+
+
+@pytest.fixture
+def prompts_parquet(tmp_path):
+    path = tmp_path / "prompts.parquet"
+    pl.DataFrame({"prompt": ["def add(a, b):\n", "Return the", "import os\n", "The value"],
+                  "domain": ["code", "docs", "code", "docs"]}).write_parquet(path)
+    return str(path)
+
+
+def test_distill_writes_a_loadable_draft(tiny_llama, prompts_parquet, tmp_path):
+    out = str(tmp_path / "draft")
+    report = distill_draft(tiny_llama, out, data=prompts_parquet, steps=3, seconds=None,
+                           num_prompts=4, gen_tokens=8, batch_size=2, size=TINY_DRAFT,
+                           eval_data=prompts_parquet, eval_prompts=4)
+    assert report["steps"] == 3 and 0.0 <= report["alpha_after"] <= 1.0
+    model = hfref.load_causal_lm(out)
+    assert model.dtype == torch.float32 and model.config.num_hidden_layers == 1
+    assert not os.path.exists(out + ".work")  # work files go once the draft is written
+
+
+def test_distill_resumes_from_its_checkpoint(tiny_llama, prompts_parquet, tmp_path):
+    tok = hfref.load_tokenizer(tiny_llama)
+    target = hfref.load_causal_lm(tiny_llama)
+    prompts = pl.read_parquet(prompts_parquet).to_dicts()
+    ids, conts = make_sequences(target, tok, prompts, max_tokens=6, seed=0)
+
+    def run(ckpt, interrupt_at=None):
+        draft = new_llama(tok, **TINY_DRAFT, seed=0)
+
+        def loss_fn(step):
+            if step == interrupt_at:
+                raise KeyboardInterrupt
+            return kl_loss(target, draft, ids, conts, step, batch_size=2,
+                           pad_id=tok.eos_token_id, seed=0)
+        train(draft, loss_fn, steps=6, seconds=None, lr=1e-2, ckpt_path=ckpt, ckpt_every_s=0)
+        return draft
+
+    straight = run(str(tmp_path / "a.pt"))
+    with pytest.raises(KeyboardInterrupt):
+        run(str(tmp_path / "b.pt"), interrupt_at=4)
+    resumed = run(str(tmp_path / "b.pt"))
+    assert torch.load(str(tmp_path / "b.pt"), weights_only=True)["state"]["step"] == 6
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_evaluate_gate(tiny_llama, tiny_draft, prompts_parquet, tmp_path):
+    runner = CliRunner()
+    args = ["--target", tiny_llama, "--data", prompts_parquet, "--max-tokens", "12",
+            "--backend", "transformers", "--min-acceptance", "0.99"]
+    bad = runner.invoke(evaluate, args + ["--draft", tiny_draft])
+    assert bad.exit_code == 1, bad.output
+    report = tmp_path / "alpha.json"
+    good = runner.invoke(evaluate, args + ["--draft", tiny_llama, "--json", str(report),
+                                           "--temperature", "0", "--temperature", "0.8"])
+    assert good.exit_code == 0, good.output
+    result = json.loads(report.read_text())
+    assert result["by_temperature"]["0.0"]["acceptance_rate"] == 1.0
+    assert result["by_temperature"]["0.8"]["acceptance_rate"] == 1.0  # q == p: always accept
+    assert set(result["by_domain"]) == {"code", "docs"}
+
+
+def test_distill_cli_needs_a_target():
+    result = CliRunner().invoke(distill, ["-o", "x"])
+    assert result.exit_code != 0 and "--target" in result.output
+
+
+def test_replay_windows_counts_rounds_like_the_engine():
+    from batchspec.hfref import replay_windows
+    # first token from prefill; 7 more in rounds of up to k=4 drafts, never drafting past
+    # the end: 4 drafts (+1 target token), then 1 draft (+1)
+    assert replay_windows([True] * 8, 4) == {"rounds": 2, "drafted": 5, "accepted": 5,
+                                             "tokens": 7}
+    # round 1 drafts 3 and keeps 1 (+1 target token); round 2 drafts 1 and keeps it (+1)
+    assert replay_windows([True, True, False, True, False], 4) == {
+        "rounds": 2, "drafted": 4, "accepted": 2, "tokens": 4}
+
+
+def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_parquet, tmp_path):
+    pytest.importorskip("batchspec.spec.verify")
+    from batchspec.bench import METHODS, bench
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench, [
+        "--target", tiny_llama, "--draft", tiny_draft, "--draft-code", tiny_llama,
+        "--draft-docs", tiny_draft, "--data", prompts_parquet, "--max-tokens", "8",
+        "--batch-sizes", "1,2", "--temperatures", "0,0.8", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["method"] for r in rows} == set(METHODS)
+    assert len(rows) == 2 * 2 * len(METHODS) - 2  # assisted generation: batch size 1 only
+    for r in rows:
+        assert r["tok_s"] > 0 and r["tokens"] > 0
+    spec = [r for r in rows if r["method"] == "spec-domain" and r["temperature"] == 0.0]
+    assert all(0 < r["alpha"] < 1 and "observed_over_theoretical" in r for r in spec)
