@@ -139,3 +139,17 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
         assert r["tok_s"] > 0 and r["tokens"] > 0
     spec = [r for r in rows if r["method"] == "spec-domain" and r["temperature"] == 0.0]
     assert all(0 < r["alpha"] < 1 and "observed_over_theoretical" in r for r in spec)
+
+
+def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):
+    """The transformers replay (used by distill) and real speculative decoding count the
+    same rounds on the bundled pair at T=0."""
+    pytest.importorskip("batchspec.spec.verify")
+    from batchspec import demo_models
+    from batchspec.evaluate import evaluate_pair, load_prompts
+    models = demo_models()
+    prompts = load_prompts(None, None, 8, split="heldout")
+    results = [evaluate_pair(models["target"], models["draft"], prompts, max_tokens=32,
+                             backend=b)["overall"] for b in ("transformers", "engine")]
+    assert results[0] == results[1]
+    assert 0.3 < results[0]["acceptance_rate"] < 1.0
