@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import time
+from functools import partial
 
 import click
 import torch
@@ -52,11 +53,11 @@ def run_assisted(model, draft, prompt_ids, *, temperature, max_tokens, eos_id, s
     return {"tokens": tokens, "wall_s": time.perf_counter() - t0}
 
 
-def run_engine(llm, prompt_ids, domains, *, temperature, max_tokens):
+def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
     from batchspec import SamplingParams
     t0 = time.perf_counter()
     outs = llm.generate(prompt_ids, SamplingParams(temperature=temperature, max_tokens=max_tokens),
-                        domains=domains, use_tqdm=False)
+                        domains=domains[:len(prompt_ids)], use_tqdm=False)
     wall = time.perf_counter() - t0
     stats = [o.stats for o in outs]
     return {"tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall,
@@ -68,14 +69,15 @@ def run_engine(llm, prompt_ids, domains, *, temperature, max_tokens):
             "round_tokens": sum(s["tokens_generated"] - 1 for s in stats)}
 
 
-def make_llm(method, models, batch_size, k, seed):
+def make_llm(method, models, batch_size, k, seed, threshold):
     from batchspec import LLM
     drafts = {"plain": {}, "spec": {"default": models["draft"]}, "ngram": {"default": "ngram"},
               "spec-domain": {"default": models["draft"], "code": models["draft-code"],
                               "docs": models["draft-docs"]}}[method]
     # min_acceptance=0: measure speculation itself, without the production fallback.
     return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
-               dtype="float32", seed=seed, max_num_seqs=batch_size, min_acceptance=0.0)
+               dtype="float32", seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
+               confidence_threshold=threshold)
 
 
 def finish_row(row, k, cost):
@@ -132,13 +134,15 @@ def print_table(rows):
 @click.option("--temperatures", default="0,0.8", show_default=True, callback=_csv(float))
 @click.option("--methods", default=",".join(METHODS), show_default=True, callback=_csv(str))
 @click.option("--k", type=int, default=4, show_default=True, help="Draft tokens per round.")
+@click.option("--confidence-threshold", "threshold", type=float, default=0.0,
+              show_default=True, help="batchspec drafts stop below this draft probability.")
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Runs per cell; the fastest is reported.")
 @click.option("--threads", type=int, help="torch threads (default: torch's choice).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_tokens,
-          batch_sizes, temperatures, methods, k, repeats, threads, seed, json_path):
+          batch_sizes, temperatures, methods, k, threshold, repeats, threads, seed, json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
     from batchspec.models.loader import num_parameters
     if bad := set(methods) - set(METHODS):
@@ -165,16 +169,16 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
         for method in methods:
             if method == "hf-assisted" and b != 1:
                 continue
-            llm = make_llm(method, models, b, k, seed) if method not in ("hf", "hf-assisted") \
-                else None
+            llm = make_llm(method, models, b, k, seed, threshold) \
+                if method not in ("hf", "hf-assisted") else None
             for t in temperatures:
                 if method == "hf":
-                    run = lambda ids: run_hf(t_model, ids, batch_size=b, temperature=t, **common)  # noqa: E731
+                    run = partial(run_hf, t_model, batch_size=b, temperature=t, **common)
                 elif method == "hf-assisted":
-                    run = lambda ids: run_assisted(t_model, d_model, ids, temperature=t, k=k, **common)  # noqa: E731
+                    run = partial(run_assisted, t_model, d_model, temperature=t, k=k, **common)
                 else:
-                    run = lambda ids: run_engine(llm, ids, domains[:len(ids)], temperature=t,  # noqa: E731
-                                                 max_tokens=max_tokens)
+                    run = partial(run_engine, llm, domains=domains, temperature=t,
+                                  max_tokens=max_tokens)
                 run(warm)  # first-call costs (allocation, lazy init) are not throughput
                 # On a shared machine the fastest of a few runs is the least disturbed one.
                 best = min((run(prompt_ids) for _ in range(repeats)), key=lambda r: r["wall_s"])
@@ -187,7 +191,8 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
         info = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
                 "models": models, "num_prompts": len(prompts), "max_tokens": max_tokens,
-                "k": k, "repeats": repeats, "cost_ratio": round(cost, 4), "rows": rows}
+                "k": k, "confidence_threshold": threshold, "repeats": repeats,
+                "cost_ratio": round(cost, 4), "rows": rows}
         with open(json_path, "w") as f:
             json.dump(info, f, indent=1)
 

@@ -94,7 +94,7 @@ def distill_draft(target: str, out_dir: str, *, data: str | None = None,
     report = {"target": target, "init": init, "domain": domain, "data": data,
               "num_sequences": len(seqs["prompts"]), "steps": state["step"],
               "train_seconds": round(state["elapsed"], 1),
-              "final_kl": sum(state["losses"][-20:]) / max(1, len(state["losses"][-20:]))}
+              "final_kl": round(sum(state["losses"][-20:]) / max(1, len(state["losses"][-20:])), 4)}
     if eval_prompts:
         held_out = load_prompts(eval_data, domain, eval_prompts, split="heldout", seed=seed + 1)
         for name, path in (("before", init), ("after", out_dir)):
