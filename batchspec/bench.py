@@ -69,7 +69,7 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
             "round_tokens": sum(s["tokens_generated"] - 1 for s in stats)}
 
 
-def make_llm(method, models, batch_size, k, seed, threshold):
+def make_llm(method, models, batch_size, k, seed, threshold, threads):
     from batchspec import LLM
     drafts = {"plain": {}, "spec": {"default": models["draft"]}, "ngram": {"default": "ngram"},
               "spec-domain": {"default": models["draft"], "code": models["draft-code"],
@@ -77,7 +77,7 @@ def make_llm(method, models, batch_size, k, seed, threshold):
     # min_acceptance=0: measure speculation itself, without the production fallback.
     return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
                dtype="float32", seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
-               confidence_threshold=threshold)
+               confidence_threshold=threshold, num_threads=threads)
 
 
 def finish_row(row, k, cost):
@@ -138,7 +138,8 @@ def print_table(rows):
               show_default=True, help="batchspec drafts stop below this draft probability.")
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Runs per cell; the fastest is reported.")
-@click.option("--threads", type=int, help="torch threads (default: torch's choice).")
+@click.option("--threads", type=int, help="torch threads for every method (default: as "
+              "the engine picks for this target).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_tokens,
@@ -147,8 +148,6 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
     from batchspec.models.loader import num_parameters
     if bad := set(methods) - set(METHODS):
         raise click.BadParameter(f"unknown methods {sorted(bad)}; choose from {METHODS}")
-    if threads:
-        torch.set_num_threads(threads)
     models = {"target": target, "draft": draft, "draft-code": draft_code,
               "draft-docs": draft_docs}
     if not all(models.values()):
@@ -159,6 +158,11 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
     prompt_ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
     cost = num_parameters(models["draft"]) / num_parameters(models["target"])
+    # One thread count for every method; by default the engine's own choice for this target.
+    from batchspec.engine.engine import SMALL_MODEL_PARAMS
+    if threads is None and num_parameters(models["target"]) < SMALL_MODEL_PARAMS:
+        threads = 1
+    torch.set_num_threads(threads or torch.get_num_threads())
     t_model = hfref.load_causal_lm(models["target"]) if {"hf", "hf-assisted"} & set(methods) \
         else None
     d_model = hfref.load_causal_lm(models["draft"]) if "hf-assisted" in methods else None
@@ -169,7 +173,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
         for method in methods:
             if method == "hf-assisted" and b != 1:
                 continue
-            llm = make_llm(method, models, b, k, seed, threshold) \
+            llm = make_llm(method, models, b, k, seed, threshold, torch.get_num_threads()) \
                 if method not in ("hf", "hf-assisted") else None
             for t in temperatures:
                 if method == "hf":

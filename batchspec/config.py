@@ -25,7 +25,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"   # auto | torch | flash
-    num_threads: int | None = None    # CPU intra-op threads (torch.set_num_threads); None: as is
+    num_threads: int | None = None    # CPU intra-op threads; None: 1 for models < 50M params
+                                      # on CPU, else torch's default
     verify_backend: str = "auto"      # auto | cuda | cpu | torch
     # speculation policy
     fallback_window: int = 100

@@ -22,14 +22,14 @@ from batchspec.spec.verify import rejection_sample
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 1.0
+SMALL_MODEL_PARAMS = 50_000_000
 
 
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = c = config
-        if c.num_threads is not None:
-            torch.set_num_threads(c.num_threads)
         self.target = ModelRunner(c.model, c.device, c.dtype, c.attention_backend)
+        self._set_threads()
         self.tokenizer = load_tokenizer(c.model)
         cfg = self.target.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
@@ -64,6 +64,16 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.policy.lookahead)
         self._next_id = 0
+
+    def _set_threads(self) -> None:
+        """CPU intra-op threads: as configured; by default one for small models, whose
+        matmuls gain nothing from a thread pool and lose much when a core is busy."""
+        n = self.config.num_threads
+        if n is None and self.target.device.type == "cpu" and \
+                self.target.num_params < SMALL_MODEL_PARAMS:
+            n = 1
+        if n is not None:
+            torch.set_num_threads(n)
 
     def _check_draft(self, path: str, runner: ModelRunner) -> None:
         if runner.cfg.vocab_size != self.target.cfg.vocab_size:

@@ -50,7 +50,8 @@ JOB_OPTIONS = [
                  type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                  help="Model dtype [auto]."),
     click.option("--threads", "num_threads", type=int, envvar="BATCHSPEC_THREADS",
-                 help="CPU threads for the forward pass [torch's default]."),
+                 help="CPU threads for the forward pass [1 for models under 50M "
+                      "parameters, else torch's default]."),
     click.option("--shard-size", type=int, envvar="BATCHSPEC_SHARD_SIZE",
                  help="Most rows per shard [1000]."),
     click.option("--min-acceptance", type=float, envvar="BATCHSPEC_MIN_ACCEPTANCE",

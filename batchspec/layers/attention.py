@@ -46,8 +46,9 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
     """rows: list of (num_computed, q_len) per sequence, in the order their tokens appear in
     the flat batch; block_tables: each sequence's block ids. Index arithmetic is vectorised
     on the host, then moved to `device` once."""
-    if backend == "torch" and sliding_window is None and all(q == 1 for _, q in rows):
-        return _decode_metadata(rows, block_tables, block_size, device)
+    if backend == "torch" and sliding_window is None and \
+            all(q <= DECODE_MAX_Q for _, q in rows):
+        return _short_rows_metadata(rows, block_tables, block_size, device)
     R = len(rows)
     n = torch.tensor([r[0] for r in rows], dtype=torch.long)
     qlen = torch.tensor([r[1] for r in rows], dtype=torch.long)
@@ -106,22 +107,35 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
     return meta
 
 
-def _decode_metadata(rows, block_tables, block_size, device):
-    """Fast path (every row decodes one token; the draft steps and plain decoding): a few
-    list comprehensions instead of tensor index arithmetic, which dominates at small batch."""
-    ctx = [n + 1 for n, _ in rows]
-    nblk = -(-max(ctx) // block_size)
-    slots = [t[n // block_size] * block_size + n % block_size
-             for (n, _), t in zip(rows, block_tables)]
+def _short_rows_metadata(rows, block_tables, block_size, device):
+    """Fast path when every row is short (decodes, verification windows, draft steps): plain
+    list arithmetic instead of tensor index ops, whose per-op cost dominates at small batch."""
+    maxq = max(q for _, q in rows)
+    nblk = -(-max(n + q for n, q in rows) // block_size)
+    slots = [t[p // block_size] * block_size + p % block_size
+             for (n, q), t in zip(rows, block_tables) for p in range(n, n + q)]
     blocks = [t[:nblk] + [0] * (nblk - min(len(t), nblk)) for t in block_tables]
-    kpos = torch.arange(nblk * block_size)
-    mask = kpos[None, :] < torch.tensor(ctx)[:, None]                 # [B, maxctx]
-    return AttentionMetadata(
+    qpos = torch.tensor([[n + j if j < q else -1 for j in range(maxq)] for n, q in rows])
+    kpos = torch.arange(nblk * block_size)[None, None, :]
+    mask = kpos <= qpos[:, :, None]                                   # [B, maxq, maxctx]
+    whole = all(q == maxq for _, q in rows)   # no padding: the flat batch is [B, maxq]
+    meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
-        dec_token_idx=torch.empty(0, dtype=torch.long), dec_blocks=torch.tensor(
-            blocks, dtype=torch.long).to(device),
-        dec_mask=mask[:, None, None, :].to(device), dec_shape=(len(rows), 1, nblk * block_size),
-        dec_is_whole_batch=True)
+        dec_blocks=torch.tensor(blocks, dtype=torch.long).to(device),
+        dec_shape=(len(rows), maxq, nblk * block_size), dec_is_whole_batch=whole)
+    if not whole:
+        mask |= (qpos < 0)[:, :, None] & (kpos == 0)  # padded query rows attend somewhere
+        starts, tok, valid = 0, [], []
+        for _, q in rows:
+            tok += [starts + j for j in range(q)] + [0] * (maxq - q)
+            valid += [True] * q + [False] * (maxq - q)
+            starts += q
+        meta.dec_token_idx = torch.tensor(tok, dtype=torch.long).to(device)
+        meta.dec_valid = torch.tensor(valid).to(device)
+    else:
+        meta.dec_token_idx = torch.empty(0, dtype=torch.long)
+    meta.dec_mask = mask[:, None].to(device)
+    return meta
 
 
 def _flash_metadata(meta, qlen, kvlen, tables, device):
