@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from batchspec.demo.corpus import DOMAINS, build_corpus  # noqa: E402
-from batchspec.training import load_llama, new_llama, save_hf, train  # noqa: E402
+from batchspec.training import new_llama, save_hf, train  # noqa: E402
 
 BUILD = os.path.join(ROOT, "build", "demo")
 MODELS = os.path.join(ROOT, "batchspec", "demo", "models")
@@ -130,6 +130,7 @@ def step_prompts():
     """Held-out prompts: examples/prompts.parquet (the quick demo job) and a larger set under
     build/ for measuring α; training prompts for distillation come from the corpus itself."""
     import polars as pl
+
     from batchspec.demo.corpus import corpus_prompts
     os.makedirs(os.path.dirname(EXAMPLES), exist_ok=True)
     examples = corpus_prompts("heldout", DOMAINS, 24, seed=0)

@@ -20,6 +20,7 @@ TINY_DRAFT = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
 
 def test_demo_models_load_and_share_vocabulary():
     from transformers import AutoConfig, AutoTokenizer
+
     from batchspec import demo_models
     paths = demo_models()
     assert set(paths) == {"target", "draft", "draft-code", "draft-docs"}
@@ -36,6 +37,7 @@ def test_demo_models_load_and_share_vocabulary():
 
 def test_demo_tokenizer_round_trips_code_and_prose():
     from transformers import AutoTokenizer
+
     from batchspec import demo_models
     tok = AutoTokenizer.from_pretrained(demo_models()["target"])
     text = "def f(x):\n    return {'é': x ** 2}  # naïve\n\nReturn the square of x.\n"

@@ -150,7 +150,7 @@ def test_poison_shard_fails_after_max_attempts(worker, redis_server, store, tiny
         return info.get("attempt") == attempt and not info.get("outcome") and info
 
     for attempt in (1, 2):
-        info = wait_until(functools.partial(running, attempt), 120, f"attempt {attempt}", 0.02)
+        info = wait_until(functools.partial(running, attempt), 300, f"attempt {attempt}", 0.02)
         assert child_of(info["pid"], worker.proc.pid)
         os.kill(info["pid"], signal.SIGKILL)
     job = wait_job(store, job_id)
