@@ -56,6 +56,16 @@ def models(tiny_llama, tiny_draft):
 
 
 @pytest.fixture(scope="module")
+def slow_model(model_factory):
+    """A model large enough (19M parameters) that a shard of a few hundred tokens takes
+    seconds, for the tests that must catch a shard mid-generation (kill, cancel): the tiny
+    model finishes such a shard before a test can see it running. Greedy, it runs to
+    max_tokens on those tests' rows (no early EOS)."""
+    return model_factory("llama", hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=6,
+                         seed=2)
+
+
+@pytest.fixture(scope="module")
 def worker(start_worker):
     return start_worker("main")
 
@@ -137,11 +147,11 @@ def child_of(pid: int, parent: int) -> bool:
 
 
 @pytest.mark.slow
-def test_poison_shard_fails_after_max_attempts(worker, redis_server, store, tiny_llama, tmp_path):
+def test_poison_shard_fails_after_max_attempts(worker, redis_server, store, slow_model, tmp_path):
     # Shard 00001 is long; the test kills the process running it every time it starts.
     path = write_rows(tmp_path / "p.parquet", ["one", "two", "three", "four", "five", "six"],
                       [4, 4, 600, 600, 4, 4])
-    r = batchspec(redis_server, "submit", path, "-o", tmp_path / "out", "--model", tiny_llama,
+    r = batchspec(redis_server, "submit", path, "-o", tmp_path / "out", "--model", slow_model,
                   "--shard-size", 2, "--max-attempts", 2)
     job_id = r.stdout.strip().splitlines()[-1]
 
@@ -189,10 +199,10 @@ def test_shard_that_raises_is_retried_then_failed(worker, redis_server, store, t
 
 
 @pytest.mark.slow
-def test_cancel_stops_the_job(worker, redis_server, store, tiny_llama, tmp_path):
+def test_cancel_stops_the_job(worker, redis_server, store, slow_model, tmp_path):
     path = write_rows(tmp_path / "c.parquet", [f"row {i}" for i in range(8)], [120] * 8)
     out = tmp_path / "out"
-    r = batchspec(redis_server, "submit", path, "-o", out, "--model", tiny_llama,
+    r = batchspec(redis_server, "submit", path, "-o", out, "--model", slow_model,
                   "--shard-size", 1)
     job_id = r.stdout.strip().splitlines()[-1]
     wait_until(lambda: "completed" in store.shard_states(job_id).values(), 120,
@@ -247,7 +257,7 @@ def test_beat_schedule_submits_and_completes_a_job(worker, redis_server, store, 
 
 
 @pytest.mark.slow
-def test_kill_9_mid_shard_then_new_worker(start_worker, redis_server, tiny_llama, tmp_path):
+def test_kill_9_mid_shard_then_new_worker(start_worker, redis_server, slow_model, tmp_path):
     url = redis_server.rsplit("/", 1)[0] + "/1"  # own database: the main worker can't help
     store = JobStore(url)
     env = {"BATCHSPEC_VISIBILITY_TIMEOUT": "4"}
@@ -256,7 +266,7 @@ def test_kill_9_mid_shard_then_new_worker(start_worker, redis_server, tiny_llama
     path = write_rows(tmp_path / "k.parquet", [f"row {i}" for i in range(6)],
                       [200, 200, 8, 8, 8, 8])
     out = tmp_path / "out"
-    job_id = batchspec(url, "submit", path, "-o", out, "--model", tiny_llama,
+    job_id = batchspec(url, "submit", path, "-o", out, "--model", slow_model,
                        "--shard-size", 2).stdout.strip().splitlines()[-1]
     [shard] = wait_until(lambda: list(store.running_progress(job_id)), 120,
                          "a shard to be generating", 0.02)
