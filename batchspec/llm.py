@@ -23,7 +23,7 @@ class RequestOutput:
     finish_reason: str            # stop | length | abort
     domain: str | None = None
     draft: str | None = None      # the draft (path or "ngram") that served it; None: plain
-    latency_s: float = 0.0
+    latency_s: float = 0.0        # from generate() receiving it to its last token
     stats: dict = field(default_factory=dict)  # the acceptance record (DESIGN.md)
 
 
@@ -153,4 +153,4 @@ class LLM:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason or "abort",
-            domain=seq.domain, draft=draft_path, latency_s=stats["wall_s"], stats=stats)
+            domain=seq.domain, draft=draft_path, latency_s=(seq.finish_time or seq.arrival_time) - seq.arrival_time, stats=stats)

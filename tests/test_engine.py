@@ -27,6 +27,9 @@ def test_continuous_batching_with_preemption(tiny_llama, llm):
         assert len(o.token_ids) == p.max_tokens and o.finish_reason == "length"
         assert o.token_ids == r.token_ids
     assert small.engine.block_manager.num_free_blocks == 40  # everything freed
+    # records time a request from its admission; latency includes the queueing before it
+    assert all(0 < o.stats["wall_s"] <= o.latency_s for o in outs)
+    assert max(o.latency_s - o.stats["wall_s"] for o in outs) > 0
 
 
 def test_seed_gives_same_tokens_whatever_the_batch(llm):

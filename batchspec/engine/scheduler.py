@@ -7,6 +7,7 @@ When the cache is full the most recently admitted sequence is preempted and late
 A sequence leaves the batch the moment it finishes."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
             seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new

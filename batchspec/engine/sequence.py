@@ -53,6 +53,7 @@ class Sequence:
         self.stop_text_len: int | None = None     # text cut here when a stop string matched
         self.spec = SpecState()
         self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None  # admitted to the batch (first time)
         self.finish_time: float | None = None
 
     def __len__(self) -> int:

@@ -53,5 +53,8 @@ def acceptance_record(seq: Sequence, *, target: str, draft_path: str | None, k_m
         "skipped_by_confidence": s.skipped_by_confidence,
         "fallback_triggered": s.fallback_triggered,
         "speedup_theoretical": speedup,
-        "wall_s": (seq.finish_time or seq.arrival_time) - seq.arrival_time,
+        # from admission to the batch to the last token: the request's own decode time,
+        # without the time it queued behind others (RequestOutput.latency_s includes that)
+        "wall_s": (seq.finish_time or seq.arrival_time)
+        - (seq.first_scheduled_time or seq.arrival_time),
     }
