@@ -186,3 +186,14 @@ def test_speculative_sampling_is_exact(model_factory, tmp_path, temperature, top
         obs_c, exp_c = np.append(obs_c, obs[~big].sum()), np.append(exp_c, exp[~big].sum())
     _, pvalue = chisquare(obs_c, exp_c * obs_c.sum() / exp_c.sum())
     assert pvalue > 1e-3
+
+
+def test_ngram_lookup_takes_the_longest_most_recent_match():
+    from batchspec.spec.proposer import NgramProposer
+    p = NgramProposer(min_n=1, max_n=3)
+    # suffix [7, 8, 9] occurred at 0 and at 5; the most recent earlier one (5) wins
+    assert p.lookup([7, 8, 9, 1, 2, 7, 8, 9, 3, 4, 7, 8, 9], 2) == [3, 4]
+    # no 3- or 2-gram match: fall back to the last earlier occurrence of the last token
+    assert p.lookup([5, 1, 5, 2, 6, 5], 3) == [2, 6, 5]
+    assert p.lookup([1, 2, 3], 4) == [] and p.lookup([4], 4) == []
+    assert p.lookup([1, 2, 1, 2], 5) == [1, 2]  # continuation may run into the suffix

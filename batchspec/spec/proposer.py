@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchspec.engine.runner import ModelRunner
@@ -100,9 +101,13 @@ class NgramProposer:
         """Continuation (<= k tokens) after the most recent earlier occurrence of the longest
         suffix of `tokens` of length max_n..min_n."""
         n_tok = len(tokens)
+        arr = np.asarray(tokens)
         for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
-            suffix = tokens[n_tok - n:]
-            for start in range(n_tok - n - 1, -1, -1):
-                if tokens[start:start + n] == suffix:
-                    return tokens[start + n:start + n + k]
+            # every earlier window of n tokens (ending before the suffix itself), vectorised:
+            # a RAG prompt has thousands of tokens and this runs per row per step
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:n_tok - 1], n)
+            hits = np.flatnonzero((windows == arr[n_tok - n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1])
+                return tokens[start + n:start + n + k]
         return []
