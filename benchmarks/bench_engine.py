@@ -59,15 +59,20 @@ def main():
     def run_bs():
         return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    results = {}
-    for name, fn in (("transformers", run_hf), ("batchspec", run_bs)):
+    engines = (("transformers", run_hf), ("batchspec", run_bs))
+    times = {name: [] for name, _ in engines}
+    tokens = {}
+    for _, fn in engines:
         fn()  # warm-up
-        times = []
-        for _ in range(args.repeats):
+    # Interleaved repeats, best of each: on a shared machine the speed drifts over minutes,
+    # and running one engine's repeats after the other's would measure the drift.
+    for _ in range(args.repeats):
+        for name, fn in engines:
             t0 = time.perf_counter()
-            toks = fn()
-            times.append(time.perf_counter() - t0)
-        results[name] = {"seconds": min(times), "tok_s": n_tokens / min(times), "tokens": toks}
+            tokens[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    results = {name: {"seconds": min(times[name]), "tok_s": n_tokens / min(times[name]),
+                      "tokens": tokens[name]} for name, _ in engines}
     same = sum(a == b for a, b in zip(results["transformers"]["tokens"],
                                       results["batchspec"]["tokens"]))
     ratio = results["batchspec"]["tok_s"] / results["transformers"]["tok_s"]
