@@ -69,14 +69,14 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
             "round_tokens": sum(s["tokens_generated"] - 1 for s in stats)}
 
 
-def make_llm(method, models, batch_size, k, seed, threshold, threads):
+def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
     from batchspec import LLM
     drafts = {"plain": {}, "spec": {"default": models["draft"]}, "ngram": {"default": "ngram"},
               "spec-domain": {"default": models["draft"], "code": models["draft-code"],
                               "docs": models["draft-docs"]}}[method]
     # min_acceptance=0: measure speculation itself, without the production fallback.
     return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
-               dtype="float32", seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
+               dtype=dtype, seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
                confidence_threshold=threshold, num_threads=threads)
 
 
@@ -140,10 +140,14 @@ def print_table(rows):
               help="Runs per cell; the fastest is reported.")
 @click.option("--threads", type=int, help="torch threads for every method (default: as "
               "the engine picks for this target).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="For every method alike; auto: as the engine runs the "
+              "target on this CPU.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_tokens,
-          batch_sizes, temperatures, methods, k, threshold, repeats, threads, seed, json_path):
+          batch_sizes, temperatures, methods, k, threshold, repeats, threads, dtype, seed,
+          json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
     from batchspec.models.loader import num_parameters
     if bad := set(methods) - set(METHODS):
@@ -163,9 +167,13 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
     if threads is None and num_parameters(models["target"]) < SMALL_MODEL_PARAMS:
         threads = 1
     torch.set_num_threads(threads or torch.get_num_threads())
-    t_model = hfref.load_causal_lm(models["target"]) if {"hf", "hf-assisted"} & set(methods) \
+    if dtype == "auto":
+        from batchspec.config import default_dtype
+        dtype = default_dtype(models["target"], "cpu")
+    torch_dtype = getattr(torch, dtype)
+    t_model = hfref.load_causal_lm(models["target"], torch_dtype) if {"hf", "hf-assisted"} & set(methods) \
         else None
-    d_model = hfref.load_causal_lm(models["draft"]) if "hf-assisted" in methods else None
+    d_model = hfref.load_causal_lm(models["draft"], torch_dtype) if "hf-assisted" in methods else None
     common = dict(max_tokens=max_tokens, eos_id=tok.eos_token_id, seed=seed)
     warm = prompt_ids[:2]
     rows = []
@@ -173,7 +181,8 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
         for method in methods:
             if method == "hf-assisted" and b != 1:
                 continue
-            llm = make_llm(method, models, b, k, seed, threshold, torch.get_num_threads()) \
+            llm = make_llm(method, models, b, k, seed, threshold, torch.get_num_threads(),
+                           dtype) \
                 if method not in ("hf", "hf-assisted") else None
             for t in temperatures:
                 if method == "hf":
@@ -195,7 +204,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
         info = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
                 "models": models, "num_prompts": len(prompts), "max_tokens": max_tokens,
-                "k": k, "confidence_threshold": threshold, "repeats": repeats,
+                "k": k, "dtype": dtype, "confidence_threshold": threshold, "repeats": repeats,
                 "cost_ratio": round(cost, 4), "rows": rows}
         with open(json_path, "w") as f:
             json.dump(info, f, indent=1)

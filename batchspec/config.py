@@ -8,6 +8,29 @@ from dataclasses import dataclass, field
 NGRAM = "ngram"
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it bf16
+    matmuls are emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(model: str, device: str) -> str:
+    """dtype="auto": on CUDA, bf16 (fp16 for fp16 checkpoints). On CPU, bf16 when the
+    checkpoint is stored in bf16 and the CPU computes bf16 natively (halves the weight
+    traffic, which bounds small-batch decoding), else fp32."""
+    from batchspec.models.loader import stored_dtype
+    stored = stored_dtype(model)
+    if device.startswith("cuda"):
+        return "float16" if stored == "float16" else "bfloat16"
+    return "bfloat16" if stored == "bfloat16" and cpu_has_native_bf16() else "float32"
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -15,7 +38,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     confidence_threshold: float = 0.0
     device: str = "auto"              # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"               # auto | float32 | bfloat16 | float16; auto: see
+                                      # default_dtype
     seed: int = 0
     # paged KV cache and batching
     block_size: int | None = None     # tokens per KV block; None: 16 (torch), 256 (flash)
@@ -71,7 +95,7 @@ class EngineConfig:
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+            self.dtype = default_dtype(self.model, self.device)
         if self.attention_backend == "auto":
             self.attention_backend = "torch"
             if self.device.startswith("cuda"):

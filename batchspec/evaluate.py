@@ -43,9 +43,11 @@ def load_prompts(data: str | None, domain: str | None, num: int | None, *, split
     return rows[:num] if num else rows
 
 
-def _records_transformers(target, draft, prompts, *, k, temperature, max_tokens, seed):
+def _records_transformers(target, draft, prompts, *, k, temperature, max_tokens, seed, dtype):
+    import torch
     tok = hfref.load_tokenizer(target)
-    t_model, d_model = hfref.load_causal_lm(target), hfref.load_causal_lm(draft)
+    t_model = hfref.load_causal_lm(target, getattr(torch, dtype))
+    d_model = hfref.load_causal_lm(draft, getattr(torch, dtype))
     if t_model.config.vocab_size != d_model.config.vocab_size:
         raise click.UsageError("target and draft have different vocabularies")
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
@@ -56,11 +58,11 @@ def _records_transformers(target, draft, prompts, *, k, temperature, max_tokens,
                                            seed=seed)
 
 
-def _records_engine(target, draft, prompts, *, k, temperature, max_tokens, seed):
+def _records_engine(target, draft, prompts, *, k, temperature, max_tokens, seed, dtype):
     from batchspec import LLM, SamplingParams
     # min_acceptance=0: never fall back to plain decoding, so every round is counted.
     llm = LLM(target, drafts={"default": draft}, num_speculative_tokens=k, device="cpu",
-              seed=seed, min_acceptance=0.0)
+              dtype=dtype, seed=seed, min_acceptance=0.0)
     outs = llm.generate([p["prompt"] for p in prompts],
                         SamplingParams(temperature=temperature, max_tokens=max_tokens),
                         use_tqdm=False)
@@ -86,17 +88,23 @@ def summarize(records: list[dict]) -> dict:
 
 def evaluate_pair(target: str, draft: str, prompts: list[dict], *, temperatures=(0.0,),
                   k: int = 4, max_tokens: int = 64, seed: int = 0,
-                  backend: str = "transformers") -> dict:
-    """α of the pair over prompts at each temperature: overall, by domain, by temperature."""
+                  backend: str = "transformers", dtype: str = "auto") -> dict:
+    """α of the pair over prompts at each temperature: overall, by domain, by temperature.
+    dtype "auto" is what the engine picks for the target on this CPU (both backends use it:
+    α depends a little on the arithmetic)."""
+    from batchspec.config import default_dtype
+    if dtype == "auto":
+        dtype = default_dtype(target, "cpu")
     run = _records_engine if backend == "engine" else _records_transformers
     rows = []
     for t in temperatures:
-        recs = run(target, draft, prompts, k=k, temperature=t, max_tokens=max_tokens, seed=seed)
+        recs = run(target, draft, prompts, k=k, temperature=t, max_tokens=max_tokens, seed=seed,
+                   dtype=dtype)
         rows += [dict(r, domain=p["domain"], temperature=t) for r, p in zip(recs, prompts)]
     by = lambda key: {str(v): summarize([r for r in rows if r[key] == v])  # noqa: E731
                       for v in sorted({r[key] for r in rows})}
     return {"target": target, "draft": draft, "k": k, "max_tokens": max_tokens,
-            "backend": backend, "overall": summarize(rows), "by_domain": by("domain"),
+            "backend": backend, "dtype": dtype, "overall": summarize(rows), "by_domain": by("domain"),
             "by_temperature": by("temperature")}
 
 
@@ -124,10 +132,12 @@ def print_report(result: dict, file=sys.stdout):
 @click.option("--min-acceptance", type=float, help="Exit with status 1 when overall α is below.")
 @click.option("--backend", type=click.Choice(["auto", "engine", "transformers"]),
               default="auto", show_default=True, help="auto: the engine when installed.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="auto: as the engine runs the target on this CPU.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results here.")
 def evaluate(target, draft, data, domain, num_prompts, temperatures, k, max_tokens,
-             min_acceptance, backend, seed, json_path):
+             min_acceptance, backend, dtype, seed, json_path):
     """Measure the acceptance rate α of DRAFT against TARGET; gate on --min-acceptance."""
     if backend == "auto":
         backend = "engine" if engine_available() else "transformers"
@@ -135,7 +145,7 @@ def evaluate(target, draft, data, domain, num_prompts, temperatures, k, max_toke
     if not prompts:
         raise click.UsageError("no prompts to evaluate")
     result = evaluate_pair(target, draft, prompts, temperatures=temperatures, k=k,
-                           max_tokens=max_tokens, seed=seed, backend=backend)
+                           max_tokens=max_tokens, seed=seed, backend=backend, dtype=dtype)
     result["min_acceptance"] = min_acceptance
     print_report(result)
     if json_path:

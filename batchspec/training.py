@@ -3,6 +3,7 @@ model construction, a step-or-time budget with a cosine schedule, a resumable tr
 and export to a Hugging Face directory in bf16 safetensors."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -44,8 +45,15 @@ def save_hf(model, tokenizer, out_dir: str, dtype=torch.bfloat16) -> str:
     state_dict = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:  # one copy of the shared matrix, as HF saves it
         state_dict.pop("lm_head.weight", None)
-    model.config.dtype = dtype
     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    # save_pretrained records the in-memory (fp32) dtype; record the one stored on disk
+    cfg_path = os.path.join(tmp, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)

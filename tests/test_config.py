@@ -30,3 +30,21 @@ def test_sampling_params_validation():
     for bad in (dict(temperature=-1), dict(top_p=0.0), dict(max_tokens=0), dict(top_k=-2)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_auto_dtype_follows_the_stored_weights(model_factory, tiny_llama):
+    """auto: fp32 checkpoints run in fp32 on CPU; bf16 ones in bf16 where the CPU has bf16
+    arithmetic (else fp32); on CUDA bf16, or fp16 for fp16 checkpoints."""
+    from batchspec.config import cpu_has_native_bf16, default_dtype
+    from batchspec.models.loader import stored_dtype
+    bf16 = model_factory("llama", seed=0, dtype="bfloat16")
+    fp16 = model_factory("llama", seed=0, dtype="float16")
+    assert [stored_dtype(p) for p in (tiny_llama, bf16, fp16)] == \
+        ["float32", "bfloat16", "float16"]
+    assert EngineConfig(model=tiny_llama, device="cpu").dtype == "float32"
+    assert EngineConfig(model=bf16, device="cpu").dtype == \
+        ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert EngineConfig(model=fp16, device="cpu").dtype == "float32"
+    assert [default_dtype(p, "cuda") for p in (tiny_llama, bf16, fp16)] == \
+        ["bfloat16", "bfloat16", "float16"]
+    assert EngineConfig(model=bf16, device="cpu", dtype="float32").dtype == "float32"

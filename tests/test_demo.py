@@ -145,13 +145,14 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
 
 def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):
     """The transformers replay (used by distill) and real speculative decoding count the
-    same rounds on the bundled pair at T=0."""
+    same rounds on the bundled pair at T=0 (in fp32: in bf16 the two ways of computing the
+    same logits round differently and near-ties can flip)."""
     pytest.importorskip("batchspec.spec.verify")
     from batchspec import demo_models
     from batchspec.evaluate import evaluate_pair, load_prompts
     models = demo_models()
     prompts = load_prompts(None, None, 8, split="heldout")
     results = [evaluate_pair(models["target"], models["draft"], prompts, max_tokens=32,
-                             backend=b)["overall"] for b in ("transformers", "engine")]
+                             backend=b, dtype="float32")["overall"] for b in ("transformers", "engine")]
     assert results[0] == results[1]
     assert 0.3 < results[0]["acceptance_rate"] < 1.0

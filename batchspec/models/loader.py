@@ -108,6 +108,27 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def stored_dtype(path: str) -> str | None:
+    """The floating-point dtype a checkpoint's weights are stored in: the first floating
+    tensor's in the safetensors headers, else config.json's `torch_dtype` (or `dtype`)."""
+    from safetensors import safe_open
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        try:
+            with safe_open(f, "pt") as st:
+                for k in st.keys():
+                    if (dt := SAFETENSORS_DTYPES.get(st.get_slice(k).get_dtype())):
+                        return dt
+        except Exception:  # unreadable here: loading the weights reports it properly
+            break
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    named = raw.get("torch_dtype") or raw.get("dtype")
+    return named if named in SAFETENSORS_DTYPES.values() else None
+
+
 def num_parameters(path: str) -> int:
     from safetensors import safe_open
     total = 0
