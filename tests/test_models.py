@@ -93,3 +93,28 @@ def test_model_without_tokenizer_takes_token_ids(tmp_path):
     assert len(out.token_ids) == 5 and out.text is None
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["text"], use_tqdm=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepacked_weights_give_the_plain_products(arch_model, dtype, monkeypatch):
+    """On CPU the linear weights are reordered for oneDNN at load; the logits equal those of
+    F.linear on the same weights (BATCHSPEC_CPU_PREPACK=0), for prefill and decode rows."""
+    from batchspec.models.llama import prepack_available
+    if not prepack_available(getattr(torch, dtype), torch.device("cpu")):
+        pytest.skip("oneDNN weight prepacking is not available in this torch build")
+    ids = list(range(3, 40))
+    logits = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("BATCHSPEC_CPU_PREPACK", flag)
+        runner = ModelRunner(arch_model, "cpu", dtype)
+        assert runner.model.weights_prepacked == (flag == "1")
+        assert runner.model.layers[0]["qkv"].is_mkldnn == (flag == "1")
+        runner.allocate_kv_cache(num_blocks=16, block_size=4)
+        seq = Sequence(0, "0", ids, SamplingParams(), seed=0)
+        BlockManager(16, 4).allocate(seq, len(ids))
+        n = len(ids) - 5
+        logits[flag] = torch.cat([runner.forward([ids[:n]], [0], [seq.block_table], [n]),
+                                  runner.forward([ids[n:]], [n], [seq.block_table], [5])])
+    tol = 1e-4 if dtype == "float32" else 0.15  # bf16: a few roundings of logits ~ 10
+    torch.testing.assert_close(logits["1"], logits["0"], atol=tol, rtol=0)
+    assert (logits["1"].argmax(-1) == logits["0"].argmax(-1)).float().mean() > 0.9

@@ -3,7 +3,9 @@ of tokens with a paged KV cache. Weights keep their HF names; q/k/v and gate/up 
 are fused at load time so each layer runs three matmuls plus the output projection."""
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,45 @@ from torch import nn
 
 from batchspec.layers.attention import AttentionMetadata, paged_attention
 from batchspec.models.loader import ModelConfig
+
+
+log = logging.getLogger(__name__)
+PREPACK_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: decode/verify batches
+
+
+def prepack_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether weights can be reordered for oneDNN on this device (CPU, fp32/bf16).
+    BATCHSPEC_CPU_PREPACK=0 turns it off."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and os.environ.get("BATCHSPEC_CPU_PREPACK", "1") != "0"
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def prepack(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] in oneDNN's blocked layout: the same products as F.linear, with the
+    weight read about twice as fast at small batch (weight traffic bounds CPU decoding)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, PREPACK_BATCH_HINT)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+def _prepack_works(dtype: torch.dtype) -> bool:
+    """One product checked against F.linear before a model relies on packed weights."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 32, generator=g).to(dtype)
+        x = torch.randn(5, 32, generator=g).to(dtype)
+        with torch.inference_mode():
+            got = linear(x, prepack(w)).float()
+        return bool(torch.allclose(got, F.linear(x, w).float(), rtol=2e-2, atol=5e-2))
+    except Exception as e:  # noqa: BLE001 - any failure means: use F.linear
+        log.warning("oneDNN weight prepacking unavailable (%s); using F.linear", e)
+        return False
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,9 +100,12 @@ class LlamaForCausalLM(nn.Module):
         def w(name):
             return weights[name].to(device=device, dtype=dtype)
 
+        packed = prepack_available(dtype, device) and _prepack_works(dtype)
+        pack = prepack if packed else (lambda t: t)
+        self.weights_prepacked = packed
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
-            else w("lm_head.weight")
+        self.lm_head = pack(self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in
+                            weights else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -70,13 +114,14 @@ class LlamaForCausalLM(nn.Module):
             layer = {
                 "in_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "qkv": torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
-                                  w(a + "v_proj.weight")]),
+                "qkv": pack(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
+                                       w(a + "v_proj.weight")])),
                 "qkv_bias": torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"),
                                        w(a + "v_proj.bias")]) if cfg.attention_bias else None,
-                "o": w(a + "o_proj.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "down": w(p + "mlp.down_proj.weight"),
+                "o": pack(w(a + "o_proj.weight")),
+                "gate_up": pack(torch.cat([w(p + "mlp.gate_proj.weight"),
+                                           w(p + "mlp.up_proj.weight")])),
+                "down": pack(w(p + "mlp.down_proj.weight")),
             }
             if cfg.qk_norm:
                 layer["q_norm"] = w(a + "q_norm.weight")
@@ -102,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         eps = cfg.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["in_norm"], eps)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -114,16 +159,16 @@ class LlamaForCausalLM(nn.Module):
             k = apply_rope(k, cos, sin)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, attn_backend,
                                 block_size, cfg.sliding_window)
-            h = h + F.linear(o.reshape(T, self.q_size), layer["o"])
+            h = h + linear(o.reshape(T, self.q_size), layer["o"])
             x = rms_norm(h, layer["post_norm"], eps)
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, layer["down"])
         return rms_norm(h, self.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] in fp32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device):
         """Per layer (k, v), each [num_blocks * block_size, H_kv, D]."""
