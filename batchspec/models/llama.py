@@ -14,7 +14,6 @@ from torch import nn
 from batchspec.layers.attention import AttentionMetadata, paged_attention
 from batchspec.models.loader import ModelConfig
 
-
 log = logging.getLogger(__name__)
 PREPACK_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: decode/verify batches
 
