@@ -118,3 +118,44 @@ def test_prepacked_weights_give_the_plain_products(arch_model, dtype, monkeypatc
     tol = 1e-4 if dtype == "float32" else 0.15  # bf16: a few roundings of logits ~ 10
     torch.testing.assert_close(logits["1"], logits["0"], atol=tol, rtol=0)
     assert (logits["1"].argmax(-1) == logits["0"].argmax(-1)).float().mean() > 0.9
+
+
+def test_grouped_attention_equals_sdpa():
+    """The bf16 CPU path for batched short rows (two matmuls, query heads stacked per KV
+    head) computes what SDPA with GQA and a padding/causal mask computes."""
+    from batchspec.layers.attention import _grouped_attention
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, nq, ctx, D = 3, 6, 2, 4, 24, 16
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((Hq, nq), (Hkv, ctx),
+                                                                   (Hkv, ctx)))
+    lens = torch.tensor([24, 9, 17])
+    qpos = lens[:, None] - nq + torch.arange(nq)[None, :]
+    mask = (torch.arange(ctx)[None, None, :] <= qpos[:, :, None])[:, None]   # [B, 1, nq, ctx]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(_grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-5, rtol=0)
+    got = _grouped_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.3)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=0)
+
+
+def test_bf16_batch_matches_rows_alone(tiny_llama):
+    """bf16 on CPU: a batch of decoding rows (grouped-matmul attention) gives the logits each
+    row gets alone (SDPA), up to bf16 rounding."""
+    runner = ModelRunner(tiny_llama, "cpu", "bfloat16")
+    runner.allocate_kv_cache(num_blocks=64, block_size=4)
+    bm = BlockManager(64, 4)
+    prompts = [list(range(3, 3 + n)) for n in (9, 23, 14)]
+    seqs = []
+    for i, ids in enumerate(prompts):
+        seq = Sequence(i, str(i), ids, SamplingParams(), seed=0)
+        bm.allocate(seq, len(ids) + 3)
+        seqs.append(seq)
+        runner.forward([ids], [0], [seq.block_table], [1])
+    rows = [[5, 6, 7], [8], [9, 10]]
+    batch = runner.forward(rows, [len(p) for p in prompts], [s.block_table for s in seqs],
+                           [len(r) for r in rows])
+    alone = torch.cat([runner.forward([r], [len(p)], [s.block_table], [len(r)])
+                       for r, p, s in zip(rows, prompts, seqs)])
+    torch.testing.assert_close(batch, alone, atol=0.1, rtol=0.02)
+    assert (batch.argmax(-1) == alone.argmax(-1)).float().mean() >= 0.8

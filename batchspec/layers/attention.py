@@ -169,8 +169,11 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         vd = v_cache.view(-1, block_size * Hkv * D).index_select(0, flat)
         kd = kd.view(B, maxctx, Hkv, D).transpose(1, 2)
         vd = vd.view(B, maxctx, Hkv, D).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask, scale=scale,
-                                            enable_gqa=Hq != Hkv)
+        if q.device.type == "cpu" and q.dtype != torch.float32 and B > 1:
+            od = _grouped_attention(qd, kd, vd, meta.dec_mask, scale)
+        else:
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask,
+                                                scale=scale, enable_gqa=Hq != Hkv)
         od = od.transpose(1, 2).reshape(B * maxq, Hq, D)
         if whole:
             return od
@@ -189,6 +192,21 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
                                                enable_gqa=Hq != Hkv)
         out[start:start + qlen] = o[0].transpose(0, 1)
     return out
+
+
+def _grouped_attention(q, k, v, mask, scale):
+    """Attention as two batched matmuls, the query heads of each KV head stacked as rows:
+    q [B, Hq, q, D], k/v [B, Hkv, ctx, D], mask [B, 1, q, ctx] -> [B, Hq, q, D]. Used for
+    bf16/fp16 batches on CPU, where SDPA's kernel is several times slower than this for short
+    queries over many rows (docs/benchmarks.md); scores and softmax are fp32."""
+    B, Hq, nq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qg = q.reshape(B, Hkv, G * nq, D)       # query head h reads kv head h // G
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    scores.masked_fill_(~mask.repeat(1, 1, G, 1), float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+    return out.view(B, Hq, nq, D)
 
 
 def flash_available() -> bool:
