@@ -4,6 +4,7 @@ prompts and the same target.
 Methods: `hf` (transformers generate, padded batches), `hf-assisted` (transformers assisted
 generation with the general draft, k constant, batch size 1 as it requires), `plain`
 (batchspec without drafts), `spec` (general draft), `spec-domain` (a draft per domain),
+`spec-adaptive` (a draft per domain, k chosen per step by expected goodput: adaptive_k),
 `ngram` (prompt lookup). For each batch size and temperature it reports tokens/s, α, tokens
 per target pass, speedups over each baseline and observed / theoretical speedup, where
 theoretical = E[tokens per pass] / (1 + k c) (Leviathan et al. 2023) with the per-token
@@ -23,7 +24,7 @@ import torch
 from batchspec import hfref
 from batchspec.evaluate import load_prompts
 
-METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "ngram")
+METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive", "ngram")
 
 
 def _csv(kind):
@@ -71,13 +72,15 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
 
 def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
     from batchspec import LLM
+    domain_drafts = {"default": models["draft"], "code": models["draft-code"],
+                     "docs": models["draft-docs"]}
     drafts = {"plain": {}, "spec": {"default": models["draft"]}, "ngram": {"default": "ngram"},
-              "spec-domain": {"default": models["draft"], "code": models["draft-code"],
-                              "docs": models["draft-docs"]}}[method]
+              "spec-domain": domain_drafts, "spec-adaptive": domain_drafts}[method]
     # min_acceptance=0: measure speculation itself, without the production fallback.
     return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
                dtype=dtype, seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
-               confidence_threshold=threshold, num_threads=threads)
+               confidence_threshold=threshold, num_threads=threads,
+               adaptive_k=method == "spec-adaptive")
 
 
 def finish_row(row, k, cost):

@@ -57,6 +57,8 @@ class EngineConfig:
     fallback_min_drafted: int = 50
     min_acceptance: float = 0.4
     max_spec_temperature: float | None = None
+    adaptive_k: bool = False          # per step, the k in 0..num_speculative_tokens with the
+                                      # most expected tokens/s (costs measured at start-up)
     ngram_min: int = 1
     ngram_max: int = 4
 

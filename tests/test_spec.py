@@ -197,3 +197,57 @@ def test_ngram_lookup_takes_the_longest_most_recent_match():
     assert p.lookup([5, 1, 5, 2, 6, 5], 3) == [2, 6, 5]
     assert p.lookup([1, 2, 3], 4) == [] and p.lookup([4], 4) == []
     assert p.lookup([1, 2, 1, 2], 5) == [1, 2]  # continuation may run into the suffix
+
+
+def test_goodput_k_choice():
+    """choose_k: all-in with a cheap draft that is always right, no speculation with one that
+    is never right or costs as much as the target, and the measured costs interpolate."""
+    from batchspec.config import EngineConfig  # noqa: F401 (config type of the policy)
+    from batchspec.engine.sequence import Sequence
+    from batchspec.spec.policy import SpecPolicy, StepCosts
+
+    class Cfg:
+        num_speculative_tokens = 4
+
+    costs = StepCosts([1, 4], target={q: [1.0 + 0.01 * q, 1.5 + 0.2 * q] for q in range(1, 6)},
+                      draft={"d": [0.05, 0.1]})
+    assert costs.target_s(2, 1) == pytest.approx(1.01 + (1.7 - 1.01) / 3)
+    assert costs.target_s(8, 1) == pytest.approx(1.7 + (1.7 - 1.01) / 3 * 4)
+    policy = SpecPolicy(Cfg(), 1024)
+    policy.costs = costs
+    seqs = [Sequence(i, str(i), [1, 2], SamplingParams(), seed=0) for i in range(4)]
+    for s in seqs:
+        s.spec.draft = "d"
+
+    def with_history(accepted, rejections):
+        for s in seqs:
+            s.spec.num_accepted, s.spec.num_rejections = accepted, rejections
+        policy.pooled = {"d": [accepted * 100, rejections * 100]}
+        return policy.choose_k({"d": seqs[:1]}, 0), policy.choose_k({"d": seqs}, 0)
+
+    assert with_history(1000, 0) == (4, 4)          # always accepted, draft cheap
+    assert with_history(0, 1000) == (0, 0)          # never accepted
+    k1, k4 = with_history(60, 40)                   # p = 0.6: verification dearer at B = 4
+    assert 0 < k4 <= k1
+    costs.draft["d"] = [1.0, 1.5]                   # a draft as dear as the target
+    assert with_history(1000, 0) == (0, 0)
+
+
+def test_adaptive_k_is_exact_and_measures_costs(tiny_llama, plain):
+    """adaptive_k measures step costs at start-up, then picks k per step; greedy outputs are
+    the plain ones whatever it picks. The target as its own draft costs a target forward per
+    draft token, which never pays: no drafts. n-gram drafts cost nothing: it drafts."""
+    outs = {}
+    for name, path in (("self", tiny_llama), ("ngram", "ngram")):
+        llm = LLM(tiny_llama, drafts={"default": path}, device="cpu", min_acceptance=0.0,
+                  adaptive_k=True, max_num_seqs=4)
+        costs = llm.engine.policy.costs
+        assert costs is not None and costs.batch_sizes == [1, 2, 4]
+        assert set(costs.target) == {1, 2, 3, 4, 5}
+        assert set(costs.draft) == ({"default"} if name == "self" else set())
+        outs[name] = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        for p, o in zip(plain, outs[name]):
+            assert o.token_ids == p.token_ids
+            check_record(o)
+    assert sum(o.stats["total_drafted"] for o in outs["self"]) == 0
+    assert sum(o.stats["total_drafted"] for o in outs["ngram"]) > 0

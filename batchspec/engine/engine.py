@@ -16,7 +16,7 @@ from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
 from batchspec.models.loader import load_tokenizer
 from batchspec.sampling import SamplingParams
-from batchspec.spec.policy import SpecPolicy
+from batchspec.spec.policy import SpecPolicy, StepCosts
 from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
 from batchspec.spec.verify import rejection_sample
 
@@ -64,6 +64,49 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.policy.lookahead)
         self._next_id = 0
+        self._step_k: int | None = None   # k chosen by adaptive_k for the current step
+        if c.adaptive_k and k > 0:
+            self.policy.costs = self.measure_step_costs()
+
+    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 3) -> StepCosts:
+        """Time the target over B rows of q = 1..k+1 tokens and each draft over B rows of one
+        token, B = 1, 2, 4, ... up to what one step can hold, at a context of ctx_len tokens
+        (fastest of `repeats`). The KV written lands in free blocks and is never read."""
+        c = self.config
+        k = c.num_speculative_tokens
+        ctx = max(1, min(ctx_len, self.max_model_len - k - 1))
+        per_row = -(-(ctx + k + 1) // c.block_size)
+        max_b = max(1, min(c.max_num_seqs, self.block_manager.num_blocks // per_row,
+                           c.max_num_batched_tokens // (k + 1)))
+        grid = sorted({2 ** i for i in range(max_b.bit_length()) if 2 ** i <= max_b} | {max_b})
+        costs = StepCosts(grid)
+        runners = {name: p.runner for name, p in self.proposers.items()
+                   if isinstance(p, DraftModelProposer)}
+
+        def seconds(runner, b, q):
+            tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
+            args = ([[0] * q] * b, [ctx] * b, tables, [q] * b)
+            runner.forward(*args)  # warm-up
+            best = float("inf")
+            for _ in range(repeats):
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                t0 = time.perf_counter()
+                runner.forward(*args).sum().item()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        for q in range(1, k + 2):
+            costs.target[q] = [seconds(self.target, b, q) for b in grid]
+        measured: dict[str, list[float]] = {}
+        for name, runner in runners.items():
+            if runner.path not in measured:
+                measured[runner.path] = [seconds(runner, b, 1) for b in grid]
+            costs.draft[name] = measured[runner.path]
+        log.info("step costs (ms) at B=%s: target %s; drafts %s", grid,
+                 {q: [round(1e3 * t, 2) for t in v] for q, v in costs.target.items()},
+                 {n: [round(1e3 * t, 2) for t in v] for n, v in costs.draft.items()})
+        return costs
 
     def _set_threads(self) -> None:
         """CPU intra-op threads: as configured; by default one for small models, whose
@@ -136,6 +179,8 @@ class Engine:
         if not scheduled:
             return [], 0
         sampling = [s for s in scheduled if s.is_sampling]
+        t0 = time.perf_counter()
+        self._step_k = None
         proposals = self.propose(sampling)
         logits = self.target.forward(
             [s.seq.token_ids[s.seq.num_computed_tokens:][:s.num_new_tokens]
@@ -145,7 +190,10 @@ class Engine:
             [1 + len(proposals[id(s)].token_ids) if id(s) in proposals else int(s.is_sampling)
              for s in scheduled])
         out_ids, num_accepted = self.verify(sampling, proposals, logits)
-        return self.commit(scheduled, proposals, out_ids, num_accepted)
+        result = self.commit(scheduled, proposals, out_ids, num_accepted)
+        if self._step_k is not None:
+            self.policy.observe(self._step_k, time.perf_counter() - t0)
+        return result
 
     def propose(self, sampling: list[ScheduledSeq]) -> dict[int, Proposal]:
         """Draft tokens for decode rows allowed to speculate, grouped by draft."""
@@ -153,6 +201,16 @@ class Engine:
         for s in sampling:
             if s.max_drafts > 0:
                 groups.setdefault(s.seq.spec.draft, []).append(s)
+        if self.policy.costs is not None and groups:
+            k = self.policy.choose_k({name: [s.seq for s in rows] for name, rows in
+                                      groups.items()},
+                                     len(sampling) - sum(map(len, groups.values())))
+            self._step_k = k
+            for rows in groups.values():
+                for s in rows:
+                    s.max_drafts = min(s.max_drafts, k)
+            if k == 0:
+                return {}
         proposals = {}
         for name, rows in groups.items():
             props = self.proposers[name].propose([(s.seq, s.max_drafts) for s in rows])
@@ -208,6 +266,7 @@ class Engine:
             b += 1
             if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
                 seq.record_round(n_drafted, m)
+                self.policy.record(seq, n_drafted, m)
                 if prop is not None and prop.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
                 self.policy.update_fallback(seq)

@@ -32,6 +32,8 @@ class SpecState:
     window: deque = field(default_factory=deque)  # (drafted, accepted) of recent rounds
     window_drafted: int = 0
     window_accepted: int = 0
+    num_accepted: int = 0             # all rounds: accepted drafts ...
+    num_rejections: int = 0           # ... and rounds that ended in a rejection
 
 
 class Sequence:
@@ -87,6 +89,8 @@ class Sequence:
         for d in range(num_drafted):
             s.drafted_per_depth[d] += 1
             s.accepted_per_depth[d] += d < num_accepted
+        s.num_accepted += num_accepted
+        s.num_rejections += num_accepted < num_drafted
         if num_drafted:
             s.window.append((num_drafted, num_accepted))
             s.window_drafted += num_drafted

@@ -59,6 +59,10 @@ JOB_OPTIONS = [
     click.option("--max-spec-temperature", type=float,
                  envvar="BATCHSPEC_MAX_SPEC_TEMPERATURE",
                  help="Do not speculate for rows sampled above this temperature."),
+    click.option("--adaptive-k/--fixed-k", "adaptive_k", default=None,
+                 envvar="BATCHSPEC_ADAPTIVE_K",
+                 help="Per step, draft the k (0..-k) with the most expected tokens/s, from "
+                      "costs measured at start-up [fixed k]."),
     click.option("--template", help="Prompt template over input columns, e.g. "
                                     "'Q: {question}\\nContext: {context}'."),
     click.option("--chat/--no-chat", default=None,

@@ -42,6 +42,7 @@ class JobSpec:
     chat: bool = False                # wrap prompts as a user message, apply chat template
     min_acceptance: float | None = None
     max_spec_temperature: float | None = None
+    adaptive_k: bool = False          # per step, the k with the most expected tokens/s
     max_attempts: int = 3             # deliveries of a shard before it is marked failed
     name: str | None = None
     job_id: str | None = None
@@ -100,7 +101,7 @@ class JobSpec:
                             num_speculative_tokens=self.num_speculative_tokens,
                             confidence_threshold=self.confidence_threshold,
                             device=device or self.device, dtype=self.dtype, seed=self.seed,
-                            **extra)
+                            adaptive_k=self.adaptive_k, **extra)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
