@@ -164,7 +164,8 @@ def step_eval():
     drafts.update({n: os.path.join(MODELS, n) for n in ("draft", "draft-code", "draft-docs")})
     table = {}
     for name, path in drafts.items():
-        res = evaluate_pair(os.path.join(MODELS, "target"), path, prompts, k=4)
+        res = evaluate_pair(os.path.join(MODELS, "target"), path, prompts, k=4,
+                            dtype="float32")  # as the table was measured
         table[name] = {d: s["acceptance_rate"] for d, s in res["by_domain"].items()}
         table[name]["overall"] = res["overall"]["acceptance_rate"]
         print(name, table[name], flush=True)

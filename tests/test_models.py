@@ -159,3 +159,37 @@ def test_bf16_batch_matches_rows_alone(tiny_llama):
                        for r, p, s in zip(rows, prompts, seqs)])
     torch.testing.assert_close(batch, alone, atol=0.1, rtol=0.02)
     assert (batch.argmax(-1) == alone.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_paged_attention_kernel_equals_sdpa(arch_model, dtype, monkeypatch):
+    """The C++ kernel over the paged cache (kernels/paged_attention_cpu.cpp) gives the logits
+    of gather + SDPA for ragged short rows (decodes and verification windows, GQA)."""
+    from batchspec.layers import attention
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    runner = ModelRunner(arch_model, "cpu", dtype)
+    runner.allocate_kv_cache(num_blocks=64, block_size=4)
+    bm = BlockManager(64, 4)
+    prompts = [list(range(3, 3 + n)) for n in (9, 23, 14, 30)]
+    seqs = []
+    for i, ids in enumerate(prompts):
+        seq = Sequence(i, str(i), ids, SamplingParams(), seed=0)
+        bm.allocate(seq, len(ids) + 5)
+        seqs.append(seq)
+        runner.forward([ids], [0], [seq.block_table], [1])
+    rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
+    args = (rows, [len(p) for p in prompts], [s.block_table for s in seqs],
+            [len(r) for r in rows])
+    monkeypatch.setattr(attention, "CPU_KERNEL_MIN_BLOCKS", 0)
+    kernel = runner.forward(*args)
+    assert attention._cpu_op, "the kernel was not used"
+    monkeypatch.setattr(attention, "_cpu_op", False)
+    sdpa = runner.forward(*args)
+    tol = dict(atol=1e-4, rtol=0) if dtype == "float32" else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(kernel, sdpa, **tol)
+
+
+def _kernel_missing() -> bool:
+    from batchspec.spec._build import load_error
+    return load_error(False) is not None

@@ -68,15 +68,18 @@ class Engine:
         if c.adaptive_k and k > 0:
             self.policy.costs = self.measure_step_costs()
 
-    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 3) -> StepCosts:
+    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 2,
+                           max_batch: int = 64) -> StepCosts:
         """Time the target over B rows of q = 1..k+1 tokens and each draft over B rows of one
-        token, B = 1, 2, 4, ... up to what one step can hold, at a context of ctx_len tokens
-        (fastest of `repeats`). The KV written lands in free blocks and is never read."""
+        token, B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
+        batches are extrapolated, and the online correction absorbs the error), at a context
+        of ctx_len tokens (fastest of `repeats`). The KV written lands in free blocks and is
+        never read."""
         c = self.config
         k = c.num_speculative_tokens
         ctx = max(1, min(ctx_len, self.max_model_len - k - 1))
         per_row = -(-(ctx + k + 1) // c.block_size)
-        max_b = max(1, min(c.max_num_seqs, self.block_manager.num_blocks // per_row,
+        max_b = max(1, min(c.max_num_seqs, max_batch, self.block_manager.num_blocks // per_row,
                            c.max_num_batched_tokens // (k + 1)))
         grid = sorted({2 ** i for i in range(max_b.bit_length()) if 2 ** i <= max_b} | {max_b})
         costs = StepCosts(grid)

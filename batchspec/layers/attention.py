@@ -12,12 +12,15 @@ Backends:
 Both see the same AttentionMetadata, built once per forward and shared by all layers."""
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 DECODE_MAX_Q = 16
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +33,7 @@ class AttentionMetadata:
     dec_mask: torch.Tensor | None = None       # [Bd, 1, maxq, nblk * block_size] bool
     dec_shape: tuple[int, int, int] = (0, 0, 0)  # Bd, maxq, nblk * block_size
     dec_is_whole_batch: bool = False           # every row is one decode token, in order
+    dec_rows: torch.Tensor | None = None       # [Bd, 3] long: first token, q_len, kv_len
     # long rows: (token_start, q_len, ctx_len, slots [ctx] or None if no cached context)
     prefill_rows: list = field(default_factory=list)
     prefill_masks: list = field(default_factory=list)
@@ -87,6 +91,8 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
         meta.dec_token_idx = tok.flatten().to(device)
         meta.dec_valid = valid.flatten().to(device)
         meta.dec_blocks = tables[dec][:, :nblk].contiguous().to(device)
+        if sliding_window is None:  # the C++ kernel attends to every earlier key
+            meta.dec_rows = torch.stack([starts[dec], dq, dn + dq], dim=1).to(device)
         meta.dec_is_whole_batch = maxq == 1 and len(dec) == R
         meta.dec_mask = mask.to(device)
         meta.dec_shape = (len(dec), maxq, maxctx)
@@ -119,10 +125,16 @@ def _short_rows_metadata(rows, block_tables, block_size, device):
     kpos = torch.arange(nblk * block_size)[None, None, :]
     mask = kpos <= qpos[:, :, None]                                   # [B, maxq, maxctx]
     whole = all(q == maxq for _, q in rows)   # no padding: the flat batch is [B, maxq]
+    firsts, start = [], 0
+    for _, q in rows:
+        firsts.append(start)
+        start += q
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
         dec_blocks=torch.tensor(blocks, dtype=torch.long).to(device),
-        dec_shape=(len(rows), maxq, nblk * block_size), dec_is_whole_batch=whole)
+        dec_shape=(len(rows), maxq, nblk * block_size), dec_is_whole_batch=whole,
+        dec_rows=torch.tensor([[f, q, n + q] for f, (n, q) in zip(firsts, rows)],
+                              dtype=torch.long).to(device))
     if not whole:
         mask |= (qpos < 0)[:, :, None] & (kpos == 0)  # padded query rows attend somewhere
         starts, tok, valid = 0, [], []
@@ -158,7 +170,10 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     out = torch.empty_like(q)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    if meta.dec_token_idx is not None:
+    if meta.dec_token_idx is not None and (op := _cpu_kernel(q, meta)) is not None:
+        op(q.contiguous(), k_cache, v_cache, meta.dec_blocks, meta.dec_rows, scale, block_size,
+           out)
+    elif meta.dec_token_idx is not None:
         B, maxq, maxctx = meta.dec_shape
         whole = meta.dec_is_whole_batch
         qd = (q if whole else q.index_select(0, meta.dec_token_idx))
@@ -192,6 +207,29 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
                                                enable_gqa=Hq != Hkv)
         out[start:start + qlen] = o[0].transpose(0, 1)
     return out
+
+
+CPU_KERNEL_MIN_BLOCKS = 64   # gathered blocks (rows x blocks) from which the kernel pays
+_cpu_op = None
+
+
+def _cpu_kernel(q, meta):
+    """The C++ paged attention of short rows (kernels/paged_attention_cpu.cpp) when it pays:
+    on CPU, for batches whose gathered copy would be large. None: gather + SDPA.
+    BATCHSPEC_CPU_ATTENTION=sdpa turns it off."""
+    global _cpu_op
+    if q.device.type != "cpu" or meta.dec_rows is None or \
+            meta.dec_blocks.numel() < CPU_KERNEL_MIN_BLOCKS:
+        return None
+    if _cpu_op is None:
+        _cpu_op = False
+        if os.environ.get("BATCHSPEC_CPU_ATTENTION", "kernel") != "sdpa":
+            try:
+                from batchspec.spec._build import load
+                _cpu_op = load(False).paged_decode_attention
+            except Exception as e:  # noqa: BLE001 - no compiler: gather + SDPA
+                log.warning("CPU paged attention kernel unavailable (%s); using SDPA", e)
+    return _cpu_op or None
 
 
 def _grouped_attention(q, k, v, mask, scale):

@@ -1,7 +1,8 @@
 """Build glue for the verification kernels: JIT-compile kernels/ with torch cpp_extension.
 
 Two flavours of one bindings file (kernels/verify_ops.cpp):
-  cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler)
+  cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler),
+        plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp)
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
 directory per torch version; torch rebuilds when a source changes.
@@ -61,7 +62,8 @@ def _compile(cuda: bool) -> None:
     flavour = "cuda" if cuda else "cpu"
     build = cache_dir() / re.sub(r"[^\w.]+", "_", f"torch{torch.__version__}-{flavour}")
     build.mkdir(parents=True, exist_ok=True)
-    sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else [])
+    sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else
+                                               [str(src / "paged_attention_cpu.cpp")])
     cflags = ["-O3", f"-DBS_NS={NAMESPACE[cuda]}"] + (["-DBS_WITH_CUDA"] if cuda else [])
     cpp_extension.load(
         name=f"batchspec_verify_{flavour}", sources=sources, build_directory=str(build),
