@@ -139,19 +139,26 @@ def test_grouped_attention_equals_sdpa():
     torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=0)
 
 
-def test_bf16_batch_matches_rows_alone(tiny_llama):
-    """bf16 on CPU: a batch of decoding rows (grouped-matmul attention) gives the logits each
-    row gets alone (SDPA), up to bf16 rounding."""
-    runner = ModelRunner(tiny_llama, "cpu", "bfloat16")
+def prefilled(path, dtype, lengths, room=5):
+    """A runner whose paged cache holds prompts of these lengths (room for `room` more
+    tokens each): (runner, prompts, sequences)."""
+    runner = ModelRunner(path, "cpu", dtype)
     runner.allocate_kv_cache(num_blocks=64, block_size=4)
     bm = BlockManager(64, 4)
-    prompts = [list(range(3, 3 + n)) for n in (9, 23, 14)]
+    prompts = [list(range(3, 3 + n)) for n in lengths]
     seqs = []
     for i, ids in enumerate(prompts):
         seq = Sequence(i, str(i), ids, SamplingParams(), seed=0)
-        bm.allocate(seq, len(ids) + 3)
+        bm.allocate(seq, len(ids) + room)
         seqs.append(seq)
         runner.forward([ids], [0], [seq.block_table], [1])
+    return runner, prompts, seqs
+
+
+def test_bf16_batch_matches_rows_alone(tiny_llama):
+    """bf16 on CPU: a batch of decoding rows (grouped-matmul attention) gives the logits each
+    row gets alone (SDPA), up to bf16 rounding."""
+    runner, prompts, seqs = prefilled(tiny_llama, "bfloat16", (9, 23, 14))
     rows = [[5, 6, 7], [8], [9, 10]]
     batch = runner.forward(rows, [len(p) for p in prompts], [s.block_table for s in seqs],
                            [len(r) for r in rows])
@@ -168,16 +175,7 @@ def test_cpu_paged_attention_kernel_equals_sdpa(arch_model, dtype, monkeypatch):
     from batchspec.layers import attention
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
-    runner = ModelRunner(arch_model, "cpu", dtype)
-    runner.allocate_kv_cache(num_blocks=64, block_size=4)
-    bm = BlockManager(64, 4)
-    prompts = [list(range(3, 3 + n)) for n in (9, 23, 14, 30)]
-    seqs = []
-    for i, ids in enumerate(prompts):
-        seq = Sequence(i, str(i), ids, SamplingParams(), seed=0)
-        bm.allocate(seq, len(ids) + 5)
-        seqs.append(seq)
-        runner.forward([ids], [0], [seq.block_table], [1])
+    runner, prompts, seqs = prefilled(arch_model, dtype, (9, 23, 14, 30))
     rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
     args = (rows, [len(p) for p in prompts], [s.block_table for s in seqs],
             [len(r) for r in rows])
