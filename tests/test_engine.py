@@ -120,3 +120,16 @@ def test_abort(llm):
                         should_abort=lambda: True, use_tqdm=False)
     assert all(o.finish_reason == "abort" for o in outs)
     assert not llm.engine.has_unfinished()
+
+
+def test_stop_string_late_in_a_long_output(llm):
+    """Stop strings are checked on the output's tail; one that completes late, after many
+    tokens, still cuts the text at its first occurrence."""
+    params = dict(temperature=0, max_tokens=120, ignore_eos=True)
+    out = llm.generate(["import os"], SamplingParams(**params), use_tqdm=False)[0]
+    needle = out.text[-12:-8]
+    assert needle.strip()
+    first = out.text.find(needle)
+    o2 = llm.generate(["import os"], SamplingParams(**params, stop=[needle]),
+                      use_tqdm=False)[0]
+    assert o2.finish_reason == "stop" and o2.text == out.text[:first]

@@ -295,8 +295,18 @@ class Engine:
         return new, None
 
     def _hit_stop_string(self, seq: Sequence, new: list[int]) -> bool:
-        text = self.tokenizer.decode(seq.output_token_ids + new, skip_special_tokens=True)
-        hits = [text.find(s) for s in seq.params.stop if s in text]
+        """Whether the newest token completes a stop string. Only the output's tail is
+        decoded for the check (a token holds at least one byte, a character at most four),
+        so the cost per token does not grow with the output; the whole text is decoded once,
+        on a hit, to find where to cut it."""
+        stops = seq.params.stop
+        tokens = seq.output_token_ids + new
+        tail = self.tokenizer.decode(tokens[-(4 * max(map(len, stops)) + 4):],
+                                     skip_special_tokens=True)
+        if not any(s in tail for s in stops):
+            return False
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
         if hits:
             seq.stop_text_len = min(hits)
             return True
