@@ -179,7 +179,8 @@ def test_cpu_paged_attention_kernel_equals_sdpa(arch_model, dtype, monkeypatch):
     rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
     args = (rows, [len(p) for p in prompts], [s.block_table for s in seqs],
             [len(r) for r in rows])
-    monkeypatch.setattr(attention, "CPU_KERNEL_MIN_BLOCKS", 0)
+    monkeypatch.setattr(attention, "CPU_KERNEL_MIN_BYTES", 0)
+    monkeypatch.setattr(attention, "CPU_KERNEL_MAX_Q", 16)
     kernel = runner.forward(*args)
     assert attention._cpu_op, "the kernel was not used"
     monkeypatch.setattr(attention, "_cpu_op", False)
