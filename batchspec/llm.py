@@ -86,11 +86,12 @@ class LLM:
                              f"token-id prompts")
 
     # ---- generation --------------------------------------------------------------------
-    def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
-                 domains: Seq[str | None] | None = None, use_tqdm: bool = True,
-                 request_ids: Seq[str] | None = None,
-                 should_abort: Callable[[], bool] | None = None,
-                 on_progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+    def add_requests(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
+                     domains: Seq[str | None] | None = None,
+                     request_ids: Seq[str] | None = None) -> list[Sequence]:
+        """Validate, encode and queue requests without running them; `step()` runs the
+        engine and `output(seq)` turns a finished sequence into a RequestOutput. Raises
+        ValueError (naming the prompt) before anything is queued."""
         n = len(prompts)
         if params is None:
             params = SamplingParams()
@@ -108,8 +109,20 @@ class LLM:
             if len(token_ids[-1]) >= self.max_model_len:
                 raise ValueError(f"prompt {i} ({ids[i]}) has {len(token_ids[-1])} tokens; the "
                                  f"context holds {self.max_model_len}")
-        seqs = [self.engine.add_request(t, p, r, d)
+        return [self.engine.add_request(t, p, r, d)
                 for t, p, r, d in zip(token_ids, params, ids, domains)]
+
+    def step(self) -> tuple[list[Sequence], int]:
+        """One engine step over everything queued: (sequences finished, tokens generated)."""
+        return self.engine.step()
+
+    def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 domains: Seq[str | None] | None = None, use_tqdm: bool = True,
+                 request_ids: Seq[str] | None = None,
+                 should_abort: Callable[[], bool] | None = None,
+                 on_progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        seqs = self.add_requests(prompts, params, domains, request_ids)
+        n = len(seqs)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -134,9 +147,9 @@ class LLM:
                 bar.close()
             if self.engine.has_unfinished():  # interrupted: leave the engine clean
                 self.engine.abort_all()
-        return [self._output(s) for s in seqs]
+        return [self.output(s) for s in seqs]
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def output(self, seq: Sequence) -> RequestOutput:
         c = self.config
         name = seq.spec.draft
         draft_path = c.drafts.get(name) if name else None

@@ -176,3 +176,37 @@ def test_schedules_parse():
     for bad in ("every 2 weeks", "30 2 * *", "61 * * * *"):
         with pytest.raises(ValueError, match="schedule"):
             parse_schedule(bad)
+
+
+def test_shards_overlap_in_the_batch_and_outputs_do_not_change(inputs, tiny_llama, tmp_path):
+    """run_local queues the next shard once the current one is admitted, so steps run rows
+    of several shards together; every row's output equals a shard-by-shard run's."""
+    from batchspec import LLM
+    from batchspec.jobs.runner import run_local, run_shard, start_job
+    from batchspec.jobs.spec import JobSpec
+
+    def spec(out):
+        return JobSpec(inputs=inputs, output=str(out), model=tiny_llama, max_tokens=6,
+                       shard_size=2, seed=3)
+
+    llm = LLM(tiny_llama, device="cpu", max_num_seqs=8)
+    mixed_steps = []
+    step = llm.engine.step
+
+    def watched_step():
+        shards = {s.request_id[:1] for s in llm.engine.scheduler.running}
+        mixed_steps.append(len(shards) > 1)
+        return step()
+
+    llm.engine.step = watched_step
+    doc = run_local(spec(tmp_path / "overlap"), progress=False, llm=llm)
+    assert doc["state"] == "completed_with_errors" and any(mixed_steps)
+    llm.engine.step = step
+    one_by_one = spec(tmp_path / "serial")
+    for shard in start_job(one_by_one):
+        run_shard(one_by_one, shard, llm, job_id="serial")
+    a, b = (read_dir(tmp_path / d, "outputs").to_pylist() for d in ("overlap", "serial"))
+    key = lambda r: r["id"]  # noqa: E731
+    assert [(r["id"], r["token_ids"]) for r in sorted(a, key=key)] == \
+        [(r["id"], r["token_ids"]) for r in sorted(b, key=key)]
+    assert len(a) == len(GOOD_IDS)

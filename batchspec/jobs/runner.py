@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,10 +70,7 @@ def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
         n_ok, n_bad = shard_counts(fs, root, shard)
         return ShardResult(shard.id, "skipped", n_ok, n_bad)
     t0 = time.perf_counter()
-    requests, errors = prepare_requests(
-        read_shard(shard), shard, sampling=spec.sampling_fields(), seed=spec.seed,
-        encode=llm.encode, max_model_len=llm.max_model_len, template=spec.template,
-        chat=spec.chat)
+    requests, errors = _prepare(spec, shard, llm)
     outs = []
     if requests:
         outs = llm.generate([r.prompt_token_ids for r in requests],
@@ -84,6 +82,21 @@ def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
     if any(o.finish_reason == "abort" for o in outs):
         # Cancelled mid-shard: write nothing, the shard stays not done.
         return ShardResult(shard.id, "aborted", wall_s=time.perf_counter() - t0)
+    return write_results(spec, shard, outs, errors, job_id=job_id, t0=t0)
+
+
+def _prepare(spec: JobSpec, shard: Shard, llm):
+    """The shard's valid requests and its error rows."""
+    return prepare_requests(
+        read_shard(shard), shard, sampling=spec.sampling_fields(), seed=spec.seed,
+        encode=llm.encode, max_model_len=llm.max_model_len, template=spec.template,
+        chat=spec.chat)
+
+
+def write_results(spec: JobSpec, shard: Shard, outs, errors: list[dict], *, job_id: str,
+                  t0: float) -> ShardResult:
+    """Write a shard's acceptance records, errors and, last (the commit point), outputs."""
+    fs, root = output_fs(spec.output)
     records = [{**o.stats, "job_id": job_id, "shard": shard.id} for o in outs]
     outputs = [{"id": o.request_id, "text": o.text, "token_ids": list(o.token_ids),
                 "finish_reason": o.finish_reason,
@@ -117,26 +130,35 @@ class Progress:
         from tqdm.auto import tqdm
         self.bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not enabled,
                         dynamic_ncols=True)
-        self.base = 0
         self.t0 = time.perf_counter()
 
-    def advance(self, n: int):
-        self.base += n
-        self.bar.update(self.base - self.bar.n)
-
-    def update(self, done: int, tokens: int, shard_done: int = 0, shard_tokens: int = 0):
-        """done/tokens: totals before the current shard; shard_*: within it."""
-        self.bar.update(done + shard_done - self.bar.n)
-        rate = (tokens + shard_tokens) / max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+    def advance(self, n: int, tokens: int | None = None):
+        self.bar.update(n)
+        if tokens is not None:
+            rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
 
     def close(self):
         self.bar.close()
 
 
+@dataclass
+class _ShardInFlight:
+    shard: Shard
+    errors: list[dict]
+    seqs: list
+    left: int
+    t0: float
+
+
 def run_local(spec: JobSpec, progress: bool = True, llm=None) -> dict:
     """`batchspec run`: every missing shard in this process, then finalize. Returns the
-    `_job.json` document."""
+    `_job.json` document.
+
+    Shards overlap in the engine: the next shard's requests are queued as soon as every
+    request queued so far has been admitted to the batch, so the batch stays full across
+    shard boundaries instead of draining each shard's tail. A shard's files are written the
+    moment its last request finishes."""
     job_id = spec.job_id or new_job_id(spec.name)
     shards = start_job(spec)
     timings = {"started_at": utcnow()}
@@ -144,19 +166,47 @@ def run_local(spec: JobSpec, progress: bool = True, llm=None) -> dict:
     todo = [s for s in shards if not is_done(spec, s)]
     bar = Progress(sum(s.num_rows for s in shards), progress)
     bar.advance(sum(s.num_rows for s in shards if s not in todo))
-    tokens = 0
     if todo and llm is None:
         from batchspec.llm import LLM
         llm = LLM.from_config(spec.engine_config())
-    for shard in todo:
-        done, tok0 = bar.base, tokens
-        result = run_shard(spec, shard, llm, job_id=job_id,
-                           on_progress=lambda n, t, d=done, k=tok0: bar.update(d, k, n, t))
-        tokens += result.num_tokens
-        bar.advance(shard.num_rows)
+    pending = deque(todo)
+    inflight: dict[int, _ShardInFlight] = {}   # id(sequence) -> its shard
+    tokens = 0
+
+    def finish(work: _ShardInFlight) -> None:
+        write_results(spec, work.shard, [llm.output(s) for s in work.seqs], work.errors,
+                      job_id=job_id, t0=work.t0)
+
+    try:
+        while pending or inflight:
+            while pending and not llm.engine.scheduler.waiting:
+                shard, started = pending.popleft(), time.perf_counter()
+                requests, errors = _prepare(spec, shard, llm)
+                seqs = llm.add_requests([r.prompt_token_ids for r in requests],
+                                        [r.params for r in requests],
+                                        domains=[r.domain for r in requests],
+                                        request_ids=[r.id for r in requests]) \
+                    if requests else []
+                work = _ShardInFlight(shard, errors, seqs, len(seqs), started)
+                inflight.update((id(s), work) for s in seqs)
+                bar.advance(len(errors))
+                if not seqs:
+                    finish(work)
+            if not inflight:
+                continue
+            finished, n = llm.step()
+            tokens += n
+            for seq in finished:
+                work = inflight.pop(id(seq))
+                work.left -= 1
+                if work.left == 0:
+                    finish(work)
+            bar.advance(len(finished), tokens)
+    finally:
+        if llm is not None and llm.engine.has_unfinished():  # interrupted: leave it clean
+            llm.engine.abort_all()
     bar.close()
     timings.update(finished_at=utcnow(), wall_s=time.perf_counter() - t0)
     return finalize(spec.to_dict() | {"job_id": job_id}, shards, job_id=job_id,
                     timings=timings, failed_shards={},
                     extra={"shards_run": [s.id for s in todo]})
-
