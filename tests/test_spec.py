@@ -233,21 +233,24 @@ def test_goodput_k_choice():
     assert with_history(1000, 0) == (0, 0)
 
 
-def test_adaptive_k_is_exact_and_measures_costs(tiny_llama, plain):
+def test_adaptive_k_is_exact_and_measures_costs(tiny_llama, tiny_draft, plain):
     """adaptive_k measures step costs at start-up, then picks k per step; greedy outputs are
-    the plain ones whatever it picks. The target as its own draft costs a target forward per
-    draft token, which never pays: no drafts. n-gram drafts cost nothing: it drafts."""
+    the plain ones whatever it picks. A random draft (almost never right, and on models this
+    small not much cheaper than the target) does not pay: (almost) no drafts. n-gram drafts
+    cost nothing: it drafts."""
     outs = {}
-    for name, path in (("self", tiny_llama), ("ngram", "ngram")):
+    for name, path in (("random", tiny_draft), ("ngram", "ngram")):
         llm = LLM(tiny_llama, drafts={"default": path}, device="cpu", min_acceptance=0.0,
                   adaptive_k=True, max_num_seqs=4)
         costs = llm.engine.policy.costs
         assert costs is not None and costs.batch_sizes == [1, 2, 4]
         assert set(costs.target) == {1, 2, 3, 4, 5}
-        assert set(costs.draft) == ({"default"} if name == "self" else set())
+        assert set(costs.draft) == ({"default"} if name == "random" else set())
         outs[name] = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         for p, o in zip(plain, outs[name]):
             assert o.token_ids == p.token_ids
             check_record(o)
-    assert sum(o.stats["total_drafted"] for o in outs["self"]) == 0
+    rounds = sum(o.stats["rounds"] for o in outs["random"])
+    # fixed k would draft 4 per round; timing noise on models this small may make it try
+    assert sum(o.stats["total_drafted"] for o in outs["random"]) < 0.5 * rounds
     assert sum(o.stats["total_drafted"] for o in outs["ngram"]) > 0

@@ -194,7 +194,8 @@ class Engine:
              for s in scheduled])
         out_ids, num_accepted = self.verify(sampling, proposals, logits)
         result = self.commit(scheduled, proposals, out_ids, num_accepted)
-        if self._step_k is not None:
+        if self._step_k is not None and all(s.num_new_tokens == 1 for s in scheduled):
+            # decode-only steps: the prediction has no term for prefill chunks
             self.policy.observe(self._step_k, time.perf_counter() - t0)
         return result
 

@@ -117,9 +117,9 @@ class SpecPolicy:
         return best_k
 
     def _ratio(self, k: int) -> float:
-        """Measured / predicted step time for k (what the start-up costs leave out: sampling,
-        verification, prefill chunks, a busier machine); an untried k borrows the ratio of
-        the nearest tried one."""
+        """Measured / predicted decode-step time for k (what the start-up costs leave out:
+        sampling, verification, bookkeeping, a busier machine); an untried k borrows the ratio
+        of the nearest tried one."""
         if k in self.step_ratio or not self.step_ratio:
             return self.step_ratio.get(k, 1.0)
         return self.step_ratio[min(self.step_ratio, key=lambda j: (abs(j - k), j))]
