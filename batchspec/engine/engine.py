@@ -99,6 +99,7 @@ class Engine:
                 best = min(best, time.perf_counter() - t0)
             return best
 
+        self._warm_verification()
         for q in range(1, k + 2):
             costs.target[q] = [seconds(self.target, b, q) for b in grid]
         measured: dict[str, list[float]] = {}
@@ -110,6 +111,18 @@ class Engine:
                  {q: [round(1e3 * t, 2) for t in v] for q, v in costs.target.items()},
                  {n: [round(1e3 * t, 2) for t in v] for n, v in costs.draft.items()})
         return costs
+
+    def _warm_verification(self) -> None:
+        """Load (on first use: build) the verification op now, so that no timed step pays
+        for it."""
+        dev = self.target.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        rejection_sample(torch.zeros(1, self.target.cfg.vocab_size, device=dev), None,
+                         torch.zeros(0, dtype=torch.int64, device=dev),
+                         torch.zeros(2, **i32), torch.zeros(1, device=dev),
+                         torch.zeros(1, dtype=torch.int64, device=dev),
+                         torch.zeros(1, dtype=torch.int64, device=dev),
+                         backend=self.config.verify_backend)
 
     def _set_threads(self) -> None:
         """CPU intra-op threads: as configured; by default one for small models, whose

@@ -125,9 +125,11 @@ class SpecPolicy:
         return self.step_ratio[min(self.step_ratio, key=lambda j: (abs(j - k), j))]
 
     def observe(self, k: int, seconds: float, weight: float = 0.1) -> None:
-        """Fold a step's measured time into the correction of its k."""
+        """Fold a step's measured time into the correction of its k. A step more than 10x off
+        the prediction (a one-time build, a pause of the process) is not a cost of its k and
+        is left out: a k judged dear is rarely tried again to correct it."""
         predicted = self.predicted.get(k)
-        if predicted:
+        if predicted and 0.1 <= seconds / predicted <= 10.0:
             r = seconds / predicted
             self.step_ratio[k] = r if k not in self.step_ratio else \
                 (1 - weight) * self.step_ratio[k] + weight * r
