@@ -166,4 +166,5 @@ class LLM:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason or "abort",
-            domain=seq.domain, draft=draft_path, latency_s=(seq.finish_time or seq.arrival_time) - seq.arrival_time, stats=stats)
+            domain=seq.domain, draft=draft_path, stats=stats,
+            latency_s=(seq.finish_time or seq.arrival_time) - seq.arrival_time)

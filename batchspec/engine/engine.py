@@ -314,12 +314,13 @@ class Engine:
         so the cost per token does not grow with the output; the whole text is decoded once,
         on a hit, to find where to cut it."""
         stops = seq.params.stop
-        tokens = seq.output_token_ids + new
-        tail = self.tokenizer.decode(tokens[-(4 * max(map(len, stops)) + 4):],
+        width = 4 * max(map(len, stops)) + 4
+        start = max(seq.num_prompt_tokens, len(seq.token_ids) - width)
+        tail = self.tokenizer.decode((seq.token_ids[start:] + new)[-width:],
                                      skip_special_tokens=True)
         if not any(s in tail for s in stops):
             return False
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = self.tokenizer.decode(seq.output_token_ids + new, skip_special_tokens=True)
         hits = [text.find(s) for s in stops if s in text]
         if hits:
             seq.stop_text_len = min(hits)

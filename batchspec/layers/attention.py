@@ -33,7 +33,8 @@ class AttentionMetadata:
     dec_mask: torch.Tensor | None = None       # [Bd, 1, maxq, nblk * block_size] bool
     dec_shape: tuple[int, int, int] = (0, 0, 0)  # Bd, maxq, nblk * block_size
     dec_is_whole_batch: bool = False           # every row is one decode token, in order
-    dec_rows: torch.Tensor | None = None       # [Bd, 3] long: first token, q_len, kv_len
+    dec_rows: torch.Tensor | list | None = None  # [Bd, 3] long: first token, q_len, kv_len
+                                               # (a list until the CPU kernel needs it)
     # long rows: (token_start, q_len, ctx_len, slots [ctx] or None if no cached context)
     prefill_rows: list = field(default_factory=list)
     prefill_masks: list = field(default_factory=list)
@@ -133,8 +134,7 @@ def _short_rows_metadata(rows, block_tables, block_size, device):
         slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
         dec_blocks=torch.tensor(blocks, dtype=torch.long).to(device),
         dec_shape=(len(rows), maxq, nblk * block_size), dec_is_whole_batch=whole,
-        dec_rows=torch.tensor([[f, q, n + q] for f, (n, q) in zip(firsts, rows)],
-                              dtype=torch.long).to(device))
+        dec_rows=[[f, q, n + q] for f, (n, q) in zip(firsts, rows)])
     if not whole:
         mask |= (qpos < 0)[:, :, None] & (kpos == 0)  # padded query rows attend somewhere
         starts, tok, valid = 0, [], []
@@ -232,6 +232,8 @@ def _cpu_kernel(q, k_cache, meta, block_size):
                 _cpu_op = load(False).paged_decode_attention
             except Exception as e:  # noqa: BLE001 - no compiler: gather + SDPA
                 log.warning("CPU paged attention kernel unavailable (%s); using SDPA", e)
+    if _cpu_op and isinstance(meta.dec_rows, list):  # once per forward, for all layers
+        meta.dec_rows = torch.tensor(meta.dec_rows, dtype=torch.long)
     return _cpu_op or None
 
 

@@ -26,8 +26,8 @@ def acceptance_record(seq: Sequence, *, target: str, draft_path: str | None, k_m
     alpha = accepted / drafted if drafted else None
     speedup = None
     if alpha is not None:
-        rejections = sum(a < d for d, a in zip(s.round_drafted, s.round_accepted))
-        p = accepted / (accepted + rejections) if accepted + rejections else 0.0
+        judged = s.num_accepted + s.num_rejections
+        p = s.num_accepted / judged if judged else 0.0
         speedup = expected_tokens_per_pass(p, k_max) / (1.0 + k_max * cost_ratio)
     n_out = seq.num_output_tokens
     return {

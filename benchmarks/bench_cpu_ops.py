@@ -1,0 +1,58 @@
+"""The CPU ops behind the engine's CPU choices, one thread:
+
+1. linear layers, `F.linear` vs weights prepacked for oneDNN (batchspec.models.llama), with
+   the weights cycled through 48 MB so that they come from memory, as in decoding;
+2. attention of 32 short rows (4 query / 2 KV heads, head dim 64, 208 keys), SDPA vs the
+   grouped matmuls batchspec uses for bf16 on CPU (batchspec.layers.attention).
+
+    python benchmarks/bench_cpu_ops.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from batchspec.layers.attention import _grouped_attention  # noqa: E402
+from batchspec.models.llama import linear, prepack  # noqa: E402
+
+
+def per_call_us(fn, args_list, rounds=3):
+    for args in args_list:
+        fn(*args)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for args in args_list:
+            fn(*args)
+    return (time.perf_counter() - t0) / (rounds * len(args_list)) * 1e6
+
+
+def main():
+    torch.set_num_threads(1)
+    print("weight [out x in]  dtype     rows  F.linear us  prepacked us")
+    for (n, k), dt, rows in [((1536, 256), torch.bfloat16, 1), ((1536, 256), torch.bfloat16, 5),
+                             ((4096, 256), torch.bfloat16, 5), ((4096, 256), torch.float32, 5)]:
+        ws = [torch.randn(n, k, dtype=dt) for _ in range(max(4, (48 << 20) // (n * k * 2)))]
+        x = torch.randn(rows, k, dtype=dt)
+        plain = per_call_us(F.linear, [(x, w) for w in ws])
+        packed = per_call_us(linear, [(x, prepack(w)) for w in ws])
+        print(f"{n:>5} x {k:<9} {str(dt)[6:]:<9} {rows:>4} {plain:>12.1f} {packed:>13.1f}")
+    B, hq, hkv, nq, ctx, d = 32, 4, 2, 1, 208, 64
+    mask = (torch.rand(B, 1, nq, ctx) > 0.1)
+    print(f"\nattention, {B} rows x {nq} query, {ctx} keys: SDPA us / grouped matmuls us")
+    for dt in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(B, h, n, d, dtype=dt) for h, n in ((hq, nq), (hkv, ctx),
+                                                                 (hkv, ctx)))
+        sdpa = per_call_us(lambda *a: F.scaled_dot_product_attention(
+            *a, attn_mask=mask, enable_gqa=True), [(q, k, v)] * 50)
+        grouped = per_call_us(lambda *a: _grouped_attention(*a, mask, d ** -0.5),
+                              [(q, k, v)] * 50)
+        print(f"{str(dt)[6:]:<9} {sdpa:10.0f} {grouped:10.0f}")
+
+
+if __name__ == "__main__":
+    main()
