@@ -18,8 +18,8 @@ def cli(ctx: click.Context, verbose: int):
 
 
 # Modules that define a COMMANDS list of click commands.
-COMMAND_MODULES = ["batchspec.jobs.commands", "batchspec.report", "batchspec.bench",
-                   "batchspec.distill"]
+COMMAND_MODULES = ["batchspec.jobs.commands", "batchspec.report.command",
+                   "batchspec.tools.bench", "batchspec.tools.evaluate", "batchspec.tools.distill"]
 
 
 def _register():

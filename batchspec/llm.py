@@ -8,10 +8,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from batchspec.config import EngineConfig
+from batchspec.contract import acceptance_record
 from batchspec.engine.engine import Engine
 from batchspec.engine.sequence import Sequence
 from batchspec.sampling import SamplingParams
-from batchspec.spec.stats import acceptance_record
 
 
 @dataclass

@@ -12,8 +12,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from batchspec import LLM, SamplingParams, demo_models, hfref  # noqa: E402
-from batchspec.evaluate import load_prompts  # noqa: E402
+from batchspec import LLM, SamplingParams, demo_models
+from batchspec.tools import hfref  # noqa: E402
+from batchspec.tools.evaluate import load_prompts  # noqa: E402
 
 
 def main():

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec import LLM, SamplingParams  # noqa: E402
-from batchspec.tiny import make_random_model  # noqa: E402
+from batchspec.tools.tiny import make_random_model  # noqa: E402
 
 
 def main():

@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from batchspec.analysis import analyze  # noqa: E402
-from batchspec.io.schema import ACCEPTANCE_SCHEMA  # noqa: E402
-from batchspec.report import render_html, render_text  # noqa: E402
+from batchspec.contract import ACCEPTANCE_SCHEMA  # noqa: E402
+from batchspec.report.analysis import analyze  # noqa: E402
+from batchspec.report.command import render_html, render_text  # noqa: E402
 
 DOMAINS = np.array(["chat", "code", "rag", "summarize"])
 DRAFTS = np.array(["llama-160m-distilled", "code-160m", "ngram", "llama-160m-distilled"])

@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec import LLM, demo_models  # noqa: E402
-from batchspec.evaluate import load_prompts  # noqa: E402
 from batchspec.jobs.runner import run_local, run_shard, start_job  # noqa: E402
 from batchspec.jobs.spec import JobSpec  # noqa: E402
+from batchspec.tools.evaluate import load_prompts  # noqa: E402
 
 
 def main():

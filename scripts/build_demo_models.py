@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from batchspec.demo.corpus import DOMAINS, build_corpus  # noqa: E402
-from batchspec.training import new_llama, save_hf, train  # noqa: E402
+from batchspec.tools.training import new_llama, save_hf, train  # noqa: E402
 
 BUILD = os.path.join(ROOT, "build", "demo")
 MODELS = os.path.join(ROOT, "batchspec", "demo", "models")
@@ -57,7 +57,7 @@ def load_corpus():
 
 
 def step_tokenizer():
-    from batchspec.tiny import build_tokenizer
+    from batchspec.tools.tiny import build_tokenizer
     corpus = load_corpus()
     rng = random.Random(0)
     code = [t for _, t in corpus["code"]["train"]]
@@ -142,7 +142,7 @@ def step_prompts():
 
 
 def step_distill(name: str, init: str, domain: str | None, minutes: float, num_prompts: int):
-    from batchspec.distill import distill_draft
+    from batchspec.tools.distill import distill_draft
     report = distill_draft(os.path.join(MODELS, "target"), os.path.join(MODELS, name),
                            domain=domain, init=init, seconds=minutes * 60,
                            num_prompts=num_prompts, eval_data=build_path("heldout.parquet"),
@@ -158,7 +158,7 @@ def step_distill(name: str, init: str, domain: str | None, minutes: float, num_p
 def step_eval():
     """α at T=0, k=4 of every draft (and the undistilled base) on each domain's held-out
     prompts; the table in docs/benchmarks.md."""
-    from batchspec.evaluate import evaluate_pair, load_prompts
+    from batchspec.tools.evaluate import evaluate_pair, load_prompts
     prompts = load_prompts(build_path("heldout.parquet"), None, None, split="heldout")
     drafts = {"draft-base": build_path("draft-base")}
     drafts.update({n: os.path.join(MODELS, n) for n in ("draft", "draft-code", "draft-docs")})

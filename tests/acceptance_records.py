@@ -1,5 +1,5 @@
 """Acceptance records for tests, built from their rounds so that every field agrees with the
-others the way the engine writes them (batchspec/io/schema.py ACCEPTANCE_SCHEMA)."""
+others the way the engine writes them (batchspec/contract.py RECORD_FIELDS)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import random
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchspec.io.schema import ACCEPTANCE_SCHEMA
+from batchspec.contract import ACCEPTANCE_SCHEMA
 
 
 def make_record(request_id: str, rounds: list[tuple[int, int]], *, positions=None,

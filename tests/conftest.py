@@ -27,7 +27,7 @@ pytest_plugins = [m for m in ("tests.fixtures_redis",)
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """make(arch="llama", **kwargs) -> path of a random HF model dir (cached per kwargs)."""
-    from batchspec.tiny import make_random_model
+    from batchspec.tools.tiny import make_random_model
     cache: dict = {}
 
     def make(arch: str = "llama", **kwargs) -> str:

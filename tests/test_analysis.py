@@ -1,4 +1,4 @@
-"""batchspec.analysis against answers computed independently (plain Python, numpy) from
+"""batchspec.report.analysis against answers computed independently (plain Python, numpy) from
 synthetic acceptance records written as real Parquet job output dirs."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from batchspec.analysis import NoAcceptanceData, analyze, find_acceptance_files
+from batchspec.report.analysis import NoAcceptanceData, analyze, find_acceptance_files
 from tests.acceptance_records import (
     make_record,
     plain_record,
@@ -61,7 +61,7 @@ def test_overall_aggregates(result, records):
     assert result["acceptance_rate"] == pytest.approx(accepted / drafted)
     assert result["token_acceptance_prob"] == pytest.approx(accepted / (accepted + rejections))
     # the first token of each request comes from prefill, not from a round
-    assert s["tokens_per_pass"] == pytest.approx(sum(r["tokens_generated"] - 1 for r in records)
+    assert s["mean_accepted_length"] == pytest.approx(sum(r["tokens_generated"] - 1 for r in records)
                                                  / sum(r["rounds"] for r in records))
     assert s["skip_rate"] == pytest.approx(sum(r["skipped_by_confidence"] for r in spec)
                                            / sum(r["rounds"] for r in spec))
@@ -180,7 +180,7 @@ def test_all_plain_job(tmp_path):
     recs = [plain_record(f"r{i}", 5 + i) for i in range(4)]
     r = analyze([write_job(str(tmp_path), [recs])])
     assert r["acceptance_rate"] is None and r["token_acceptance_prob"] is None
-    assert r["summary"]["requests"] == 4 and r["summary"]["tokens_per_pass"] == 1.0
+    assert r["summary"]["requests"] == 4 and r["summary"]["mean_accepted_length"] == 1.0
     assert all(g["acceptance_rate"] is None for g in r["by_depth"] + r["by_position"])
     assert r["outliers"] == [] and sum(h["count"] for h in r["histogram"]) == 0
     assert r["speedup"]["predicted_tokens_per_pass"] is None

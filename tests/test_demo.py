@@ -9,10 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from batchspec import hfref
-from batchspec.distill import distill, distill_draft, kl_loss, make_sequences
-from batchspec.evaluate import evaluate
-from batchspec.training import new_llama, train
+from batchspec.tools import hfref
+from batchspec.tools.distill import distill, distill_draft, kl_loss, make_sequences
+from batchspec.tools.evaluate import evaluate
+from batchspec.tools.training import new_llama, train
 
 TINY_DRAFT = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   intermediate_size=64)
@@ -115,7 +115,7 @@ def test_distill_cli_needs_a_target():
 
 
 def test_replay_windows_counts_rounds_like_the_engine():
-    from batchspec.hfref import replay_windows
+    from batchspec.tools.hfref import replay_windows
     # first token from prefill; 7 more in rounds of up to k=4 drafts, never drafting past
     # the end: 4 drafts (+1 target token), then 1 draft (+1)
     assert replay_windows([True] * 8, 4) == {"rounds": 2, "drafted": 5, "accepted": 5,
@@ -127,7 +127,7 @@ def test_replay_windows_counts_rounds_like_the_engine():
 
 def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_parquet, tmp_path):
     pytest.importorskip("batchspec.spec.verify")
-    from batchspec.bench import METHODS, bench
+    from batchspec.tools.bench import METHODS, bench
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(bench, [
         "--target", tiny_llama, "--draft", tiny_draft, "--draft-code", tiny_llama,
@@ -149,7 +149,7 @@ def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):
     same logits round differently and near-ties can flip)."""
     pytest.importorskip("batchspec.spec.verify")
     from batchspec import demo_models
-    from batchspec.evaluate import evaluate_pair, load_prompts
+    from batchspec.tools.evaluate import evaluate_pair, load_prompts
     models = demo_models()
     prompts = load_prompts(None, None, 8, split="heldout")
     results = [evaluate_pair(models["target"], models["draft"], prompts, max_tokens=32,

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchspec.analysis import analyze
 from batchspec.cli import _register, cli
+from batchspec.report.analysis import analyze
 from tests.conftest import ROOT
 
 EXAMPLES = os.path.join(ROOT, "examples", "prompts.parquet")

@@ -18,7 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from batchspec.cli import _register, cli
-from batchspec.jobs.store import TERMINAL, JobStore
+from batchspec.jobs.states import FINAL as TERMINAL
+from batchspec.jobs.store import JobStore
 from tests.fixtures_redis import wait_until
 from tests.jobdata import BAD_ROWS, GOOD_IDS, make_inputs, read_dir
 

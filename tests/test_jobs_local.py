@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from batchspec.cli import _register, cli
-from batchspec.io.schema import ACCEPTANCE_SCHEMA, ERROR_SCHEMA, OUTPUT_SCHEMA
+from batchspec.contract import ACCEPTANCE_SCHEMA
+from batchspec.jobs.outputs import ERROR_SCHEMA, OUTPUT_SCHEMA
 from tests.jobdata import BAD_ROWS, GOOD_IDS, make_inputs, read_dir
 
 _register()

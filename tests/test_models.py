@@ -10,7 +10,7 @@ from batchspec import LLM, SamplingParams
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sequence import Sequence
-from batchspec.tiny import make_random_model
+from batchspec.tools.tiny import make_random_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPTS = ["def foo(x):\n    return", "import os", "The quick brown fox jumps over the lazy "

@@ -8,17 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchspec.io.rows import check_columns, derived_seed, prepare_requests, row_ids
-from batchspec.io.shards import (
-    Shard,
-    expand_inputs,
-    plan_shards,
-    read_shard,
-    remove_stale_temps,
-    split_row_groups,
-    write_atomic,
-    write_table_atomic,
-)
+from batchspec.contract import request_seed
+from batchspec.jobs.outputs import remove_stale_temps, write_atomic, write_table_atomic
+from batchspec.jobs.rows import check_columns, prepare_requests, row_ids
+from batchspec.jobs.shards import Shard, expand_inputs, plan_shards, read_shard, split_row_groups
 from tests.jobdata import BAD_ROWS, make_inputs
 
 
@@ -126,7 +119,7 @@ def test_wrong_types_and_overrides(tokenizer):
                       "domain": ["code", None]})
     requests, errors = prepare(table, tokenizer)
     assert not errors
-    assert requests[0].params.seed == derived_seed(7, "in:10") and requests[0].domain == "code"
+    assert requests[0].params.seed is None and requests[0].domain == "code"  # engine derives it
     assert requests[1].params.seed == 5 and requests[1].params.top_k == 2
 
 
@@ -135,7 +128,7 @@ def test_generated_ids_and_seeds_are_stable(tokenizer):
     requests, _ = prepare(table, tokenizer)
     assert [r.id for r in requests] == ["in:10", "given", "in:12"]
     assert row_ids(table, Shard(0, "/data/in.parquet", "in", 10, 3)) == [r.id for r in requests]
-    assert derived_seed(7, "in:10") == derived_seed(7, "in:10") != derived_seed(8, "in:10")
+    assert request_seed(7, "in:10") == request_seed(7, "in:10") != request_seed(8, "in:10")
 
 
 def test_duplicate_ids(tokenizer):

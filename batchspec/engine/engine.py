@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 
 import torch
 
 from batchspec.config import NGRAM, EngineConfig
+from batchspec.contract import request_seed
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.scheduler import ScheduledSeq, Scheduler
@@ -171,8 +171,7 @@ class Engine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         rid = str(self._next_id) if request_id is None else str(request_id)
-        seed = params.seed if params.seed is not None else \
-            zlib.crc32(f"{self.config.seed}:{rid}".encode())
+        seed = params.seed if params.seed is not None else request_seed(self.config.seed, rid)
         seq = Sequence(self._next_id, rid, prompt_token_ids, params, seed, domain)
         self._next_id += 1
         seq.spec.draft = self.policy.draft_for(domain, params.temperature)

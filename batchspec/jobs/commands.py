@@ -18,9 +18,7 @@ import time
 import click
 
 from batchspec.jobs.celery_app import DEFAULT_REDIS_URL
-
-SUCCESS = ("completed", "completed_with_errors")
-TERMINAL = SUCCESS + ("failed", "cancelled")
+from batchspec.jobs.states import FINAL, SUCCESS
 
 JOB_OPTIONS = [
     click.argument("inputs", nargs=-1),
@@ -152,7 +150,7 @@ def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> 
             done = job["requests_completed"] + job["requests_failed"]
             bar.update(min(done + job["requests_in_progress"], bar.total) - bar.n)
             bar.set_postfix_str(f"{job['state']} {job.get('tokens_per_s', 0):.1f} tok/s")
-            if job["state"] in TERMINAL:
+            if job["state"] in FINAL:
                 return job
             time.sleep(poll_s)
 

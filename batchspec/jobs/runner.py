@@ -15,21 +15,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import pyarrow as pa
-
-from batchspec.io.rows import check_columns, prepare_requests, row_ids
-from batchspec.io.schema import ACCEPTANCE_SCHEMA, ERROR_SCHEMA, OUTPUT_SCHEMA
-from batchspec.io.shards import (
-    Shard,
-    expand_inputs,
+from batchspec.jobs.outputs import (
     output_fs,
-    plan_shards,
-    read_shard,
-    remove_stale_temps,
-    write_table_atomic,
+    shard_counts,
+    shard_path,
+    write_shard,
+    write_shard_file,
 )
+from batchspec.jobs.rows import check_columns, prepare_requests, row_ids
+from batchspec.jobs.shards import Shard, expand_inputs, plan_shards, read_shard
 from batchspec.jobs.spec import JobSpec, new_job_id
-from batchspec.jobs.summary import claim_output, finalize, shard_counts, shard_path
+from batchspec.jobs.summary import claim_output, finalize
 
 
 @dataclass
@@ -55,11 +51,6 @@ def start_job(spec: JobSpec) -> list[Shard]:
 def is_done(spec: JobSpec, shard: Shard) -> bool:
     fs, root = output_fs(spec.output)
     return fs.exists(shard_path(root, "outputs", shard))
-
-
-def _write(fs, root: str, kind: str, shard: Shard, rows: list[dict], schema: pa.Schema):
-    remove_stale_temps(fs, f"{root}/{kind}", shard.filename)
-    write_table_atomic(fs, shard_path(root, kind, shard), pa.Table.from_pylist(rows, schema))
 
 
 def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
@@ -96,16 +87,13 @@ def _prepare(spec: JobSpec, shard: Shard, llm):
 def write_results(spec: JobSpec, shard: Shard, outs, errors: list[dict], *, job_id: str,
                   t0: float) -> ShardResult:
     """Write a shard's acceptance records, errors and, last (the commit point), outputs."""
-    fs, root = output_fs(spec.output)
     records = [{**o.stats, "job_id": job_id, "shard": shard.id} for o in outs]
     outputs = [{"id": o.request_id, "text": o.text, "token_ids": list(o.token_ids),
                 "finish_reason": o.finish_reason,
                 "num_prompt_tokens": len(o.prompt_token_ids),
                 "num_output_tokens": len(o.token_ids), "domain": o.domain,
                 "draft": o.draft, "latency_s": o.latency_s} for o in outs]
-    _write(fs, root, "acceptance", shard, records, ACCEPTANCE_SCHEMA)
-    _write(fs, root, "errors", shard, errors, ERROR_SCHEMA)
-    _write(fs, root, "outputs", shard, outputs, OUTPUT_SCHEMA)  # last: the commit point
+    write_shard(spec.output, shard, outputs, records, errors)
     return ShardResult(shard.id, "done", len(outputs), len(errors),
                        sum(len(o.token_ids) for o in outs), time.perf_counter() - t0)
 
@@ -116,7 +104,7 @@ def fail_shard(output: str, shard: Shard, reason: str) -> None:
     fs, root = output_fs(output)
     rows = [{"id": rid, "error_type": "shard_failed", "message": reason}
             for rid in row_ids(read_shard(shard), shard)]
-    _write(fs, root, "errors", shard, rows, ERROR_SCHEMA)
+    write_shard_file(fs, root, "errors", shard, rows)
 
 
 def utcnow() -> str:

@@ -19,10 +19,9 @@ import urllib.parse
 
 import redis
 
-from batchspec.io.shards import Shard
+from batchspec.jobs.shards import Shard
 
 PREFIX = "batchspec:"
-TERMINAL = ("completed", "completed_with_errors", "failed", "cancelled")
 COUNTERS = ("shards_total", "shards_completed", "shards_failed", "shards_cancelled",
             "requests_total", "requests_completed", "requests_failed", "tokens_generated")
 

@@ -10,46 +10,27 @@ import json
 
 import pyarrow.parquet as pq
 
-from batchspec.io.shards import Shard, output_fs, write_atomic
+from batchspec.contract import add_totals, summarize, totals
+from batchspec.jobs.outputs import output_fs, shard_counts, shard_path, write_atomic
+from batchspec.jobs.shards import Shard
+from batchspec.jobs.states import SUCCESS
 
-KINDS = ("outputs", "acceptance", "errors")
-SUCCESS_STATES = ("completed", "completed_with_errors")
-
-
-def shard_path(root: str, kind: str, shard: Shard) -> str:
-    return f"{root}/{kind}/{shard.filename}"
-
-
-def _num_rows(fs, path: str) -> int:
-    with fs.open(path, "rb") as f:
-        return pq.ParquetFile(f).metadata.num_rows
-
-
-def shard_counts(fs, root: str, shard: Shard) -> tuple[int, int]:
-    """(rows in outputs, rows in errors) of a shard's files; zeros for files not there."""
-    return tuple(_num_rows(fs, p) if fs.exists(p) else 0
-                 for p in (shard_path(root, "outputs", shard), shard_path(root, "errors", shard)))
+TOTALS_COLUMNS = ["tokens_generated", "rounds", "total_drafted", "total_accepted",
+                  "round_drafted", "round_accepted", "fallback_triggered"]
 
 
 def acceptance_summary(fs, root: str, shards: list[Shard]) -> dict:
-    """Tokens and acceptance over every request of the job's finished shards."""
-    tokens = rounds = drafted = accepted = fallbacks = 0
+    """The acceptance summary (batchspec.contract.summarize) over every request of the
+    job's finished shards."""
+    t = totals([])
     for shard in shards:
         path = shard_path(root, "acceptance", shard)
         if not fs.exists(shard_path(root, "outputs", shard)) or not fs.exists(path):
             continue
         with fs.open(path, "rb") as f:
-            t = pq.read_table(f, columns=["tokens_generated", "rounds", "total_drafted",
-                                           "total_accepted", "fallback_triggered"]).to_pydict()
-        tokens += sum(v or 0 for v in t["tokens_generated"])
-        rounds += sum(v or 0 for v in t["rounds"])
-        drafted += sum(v or 0 for v in t["total_drafted"])
-        accepted += sum(v or 0 for v in t["total_accepted"])
-        fallbacks += sum(bool(v) for v in t["fallback_triggered"])
-    return {"tokens_generated": tokens, "total_drafted": drafted, "total_accepted": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": tokens / rounds if rounds else None,
-            "requests_with_fallback": fallbacks}
+            records = pq.read_table(f, columns=TOTALS_COLUMNS).to_pylist()
+        t = add_totals(t, totals(records))
+    return summarize(t)
 
 
 def final_state(counts: dict, cancelled: bool) -> str:
@@ -86,7 +67,7 @@ def finalize(spec_dict: dict, shards: list[Shard], *, job_id: str, timings: dict
            "timings": timings, "summary": summary, "failed_shards": failed_shards,
            **(extra or {})}
     write_atomic(fs, f"{root}/_job.json", json.dumps(doc, indent=2, default=str).encode())
-    if state in SUCCESS_STATES:
+    if state in SUCCESS:
         write_atomic(fs, f"{root}/_SUCCESS", b"")
     return doc
 

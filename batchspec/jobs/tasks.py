@@ -17,11 +17,11 @@ import time
 from batchspec.jobs.celery_app import app
 from batchspec.jobs.runner import fail_shard, is_done, run_shard, start_job
 from batchspec.jobs.spec import JobSpec, new_job_id
+from batchspec.jobs.states import SHARD_ENDED
 from batchspec.jobs.store import JobStore, now_iso
 from batchspec.jobs.summary import finalize
 
 log = logging.getLogger(__name__)
-ENDED = ("completed", "failed", "cancelled")
 _engine: dict = {"key": None, "llm": None}
 _stores: dict[str, JobStore] = {}
 
@@ -98,7 +98,7 @@ def run_shard_task(self, job_id: str, shard_id: str) -> str:
     if not store.exists(job_id):  # expired or deleted record: nothing to run it against
         log.warning("shard %s of unknown job %s dropped", shard_id, job_id)
         return "unknown_job"
-    if store.shard_state(job_id, shard_id) in ENDED:
+    if store.shard_state(job_id, shard_id) in SHARD_ENDED:
         # A redelivery of an ended shard; finish a finalization a crash interrupted.
         if store.get(job_id)["state"] == "finalizing":
             finalize_job(job_id)

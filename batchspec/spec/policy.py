@@ -8,8 +8,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from batchspec.config import EngineConfig
+from batchspec.contract import expected_tokens_per_pass
 from batchspec.engine.sequence import Sequence
-from batchspec.spec.stats import expected_tokens_per_pass
 
 # Prior on a draft's per-token acceptance probability before its first rounds (p = 0.6
 # worth 10 rounds), and the weight of the draft's pooled estimate in a request's own.

@@ -8,7 +8,7 @@ generation with the general draft, k constant, batch size 1 as it requires), `pl
 `ngram` (prompt lookup). For each batch size and temperature it reports tokens/s, α, tokens
 per target pass, speedups over each baseline and observed / theoretical speedup, where
 theoretical = E[tokens per pass] / (1 + k c) (Leviathan et al. 2023) with the per-token
-acceptance probability of batchspec.spec.stats, c = draft/target parameter ratio, and
+acceptance probability of batchspec.contract, c = draft/target parameter ratio, and
 observed = tokens/s over batchspec plain at the same batch size and T."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from functools import partial
 import click
 import torch
 
-from batchspec import hfref
-from batchspec.evaluate import load_prompts
+from batchspec.tools import hfref
+from batchspec.tools.evaluate import load_prompts
 
 METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive", "ngram")
 
@@ -60,14 +60,9 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
     outs = llm.generate(prompt_ids, SamplingParams(temperature=temperature, max_tokens=max_tokens),
                         domains=domains[:len(prompt_ids)], use_tqdm=False)
     wall = time.perf_counter() - t0
-    stats = [o.stats for o in outs]
+    from batchspec.contract import totals
     return {"tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall,
-            "drafted": sum(s["total_drafted"] for s in stats),
-            "accepted": sum(s["total_accepted"] for s in stats),
-            "rounds": sum(s["rounds"] for s in stats),
-            "rejections": sum(a < d for s in stats
-                              for d, a in zip(s["round_drafted"], s["round_accepted"])),
-            "round_tokens": sum(s["tokens_generated"] - 1 for s in stats)}
+            "totals": totals(o.stats for o in outs)}
 
 
 def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
@@ -84,15 +79,16 @@ def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
 
 
 def finish_row(row, k, cost):
-    from batchspec.spec.stats import expected_tokens_per_pass
+    from batchspec.contract import speedup_theoretical, summarize
     row["tok_s"] = round(row["tokens"] / row["wall_s"], 1)
-    if row.get("drafted"):
-        alpha = row["accepted"] / row["drafted"]
-        row["alpha"] = round(alpha, 4)
-        row["tokens_per_pass"] = round(row["round_tokens"] / max(1, row["rounds"]), 3)
-        # p: the per-token acceptance probability the formula assumes (batchspec.spec.stats)
-        p = row["accepted"] / max(1, row["accepted"] + row["rejections"])
-        row["speedup_theoretical"] = round(expected_tokens_per_pass(p, k) / (1 + k * cost), 3)
+    t = row.pop("totals", None)
+    if t and t["total_drafted"]:
+        s = summarize(t)
+        row["alpha"] = round(s["acceptance_rate"], 4)
+        row["tokens_per_pass"] = round(s["mean_accepted_length"], 3)
+        # p, not α: the per-token acceptance the formula assumes (batchspec.contract)
+        row["speedup_theoretical"] = round(
+            speedup_theoretical(s["token_acceptance_prob"] or 0.0, k, cost), 3)
     return row
 
 

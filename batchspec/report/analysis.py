@@ -10,7 +10,7 @@ Two rates, both pooled over records (long requests weigh more than short ones):
 than one draft. Percentiles (P50/P90/P99) are over per-request α. See
 docs/acceptance-analysis.md.
 
-    from batchspec.analysis import analyze
+    from batchspec.report.analysis import analyze
     result = analyze(["out/job-a", "out/job-b"], by=("domain", "temperature"))
     result["acceptance_rate"], result["by"]["domain"]
 """
@@ -22,8 +22,10 @@ from collections.abc import Iterable, Sequence
 
 import polars as pl
 
+from batchspec import contract
+
 # scan_acceptance and NoAcceptanceData are part of this module's API too.
-from batchspec.io.acceptance import (  # noqa: F401
+from batchspec.report.records import (  # noqa: F401
     NoAcceptanceData,
     find_acceptance_files,
     scan_acceptance,
@@ -41,9 +43,7 @@ def _sum(name: str, where: pl.Expr | None = None) -> pl.Expr:
     return (col if where is None else col.filter(where)).sum()
 
 
-def _ratio(num: pl.Expr, den: pl.Expr) -> pl.Expr:
-    """num / den, null where den is 0 (never NaN: the result goes to JSON)."""
-    return pl.when(den > 0).then(num / den)
+_ratio = contract.ratio
 
 
 def _bucket_index(x: pl.Expr, edges: Sequence[float]) -> pl.Expr:
@@ -66,11 +66,9 @@ BREAKDOWN_KEYS = {"domain": pl.col("domain"), "draft": pl.col("draft"),
                   "temperature": temperature_bucket(), "target": pl.col("target"),
                   "job": pl.col("job_id"), "k": pl.col("k_max")}
 
-request_alpha = _ratio(pl.col("total_accepted"), pl.col("total_drafted"))
+request_alpha = contract.acceptance_rate(pl.col("total_accepted"), pl.col("total_drafted"))
 is_speculative = pl.col("draft").is_not_null()
-# Tokens emitted by decode rounds: a request's first token comes from its prefill pass, which
-# `rounds` does not count (so tokens per target pass = decode_tokens / rounds).
-decode_tokens = (pl.col("tokens_generated").cast(pl.Int64) - 1).clip(lower_bound=0)
+decode_tokens = contract.decode_tokens(pl.col("tokens_generated"))
 
 
 def _rates() -> list[pl.Expr]:
@@ -81,10 +79,10 @@ def _rates() -> list[pl.Expr]:
         pl.len().alias("requests"),
         is_speculative.sum().alias("speculative_requests"),
         drafted.alias("total_drafted"), accepted.alias("total_accepted"),
-        _ratio(accepted, drafted).alias("acceptance_rate"),
+        contract.acceptance_rate(accepted, drafted).alias("acceptance_rate"),
         *(request_alpha.quantile(q, "linear").alias(f"p{round(q * 100)}") for q in (0.5, 0.9, 0.99)),
         tokens.alias("tokens_generated"), rounds.alias("rounds"),
-        _ratio(decode_tokens.sum(), rounds).alias("tokens_per_pass"),
+        contract.mean_accepted_length(decode_tokens.sum(), rounds).alias("mean_accepted_length"),
         _ratio(_sum("skipped_by_confidence", is_speculative),
                _sum("rounds", is_speculative)).alias("skip_rate"),
         _ratio(pl.col("fallback_triggered").filter(is_speculative).sum(),
@@ -128,8 +126,9 @@ def position_query(lf: pl.LazyFrame) -> pl.LazyFrame:
                  _sum("round_accepted").alias("accepted"),
                  (pl.col("round_accepted") < pl.col("round_drafted")).sum()
                  .alias("rejections"))
-            .with_columns(_ratio(pl.col("accepted"), pl.col("drafted")).alias("acceptance_rate"),
-                          _ratio(pl.col("accepted"), pl.col("accepted") + pl.col("rejections"))
+            .with_columns(contract.acceptance_rate(pl.col("accepted"), pl.col("drafted"))
+                          .alias("acceptance_rate"),
+                          contract.token_acceptance_prob(pl.col("accepted"), pl.col("rejections"))
                           .alias("token_acceptance_prob"))
             .sort("position")
             .with_columns(_bucket_label(pl.col("position"), POSITION_BUCKETS)))
@@ -167,17 +166,13 @@ def speedup_query(lf: pl.LazyFrame) -> pl.LazyFrame:
                  theoretical.count().alias("speedup_theoretical_count")))
 
 
-def _passes_per_round(p: float, k: pl.Expr) -> pl.Expr:
-    """Expected tokens per target pass with a full window of k and i.i.d. acceptance p."""
-    return k.cast(pl.Float64) + 1 if p >= 1 else (1 - pl.lit(p).pow(k + 1)) / (1 - p)
-
-
 def _speedup(sp: pl.DataFrame, p: float | None) -> dict:
     spec, plain = sp.filter("speculative"), sp.filter(~pl.col("speculative"))
     out = spec.select(
-        _ratio(pl.col("decode_tokens").sum(), pl.col("rounds").sum()).alias("tokens_per_pass"),
+        contract.mean_accepted_length(pl.col("decode_tokens").sum(), pl.col("rounds").sum())
+        .alias("tokens_per_pass"),
         (pl.lit(None, pl.Float64) if p is None else
-         _ratio((pl.col("rounds") * _passes_per_round(p, pl.col("k"))).sum(),
+         _ratio((pl.col("rounds") * contract.expected_tokens_per_pass(p, pl.col("k"))).sum(),
                 pl.col("rounds").sum())).alias("predicted_tokens_per_pass"),
         _ratio(pl.col("speedup_theoretical_sum").sum(), pl.col("speedup_theoretical_count").sum())
         .alias("speedup_theoretical_mean"),
@@ -224,7 +219,7 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
 
     summary = summary.to_dicts()[0]
     accepted, rejections = position["accepted"].sum(), position["rejections"].sum()
-    p = accepted / (accepted + rejections) if accepted + rejections else None
+    p = contract.token_acceptance_prob(accepted, rejections)
     depth = depth.with_columns((pl.lit(p, pl.Float64).pow(pl.col("depth") + 1))
                                .alias("iid_prediction"))
     counts = dict(zip(hist["bin"].to_list(), hist["count"].to_list(), strict=True))

@@ -1,27 +1,20 @@
-"""Input shards and output files of a job (DESIGN.md "Data formats").
+"""Input shards of a job (docs/design.md, "Data formats").
 
 Inputs are Parquet files named by local paths, globs or fsspec URLs (s3://, gs://, ... when
 the filesystem package is installed). A job is split into shards of at most `shard_size`
 rows that never span two files and follow row-group boundaries where they can, so a shard
 reads only the row groups it needs. Shard ids are positions in that plan: the same inputs
-and shard size always give the same ids, which is what makes re-running a job resume it.
-
-Every output file is written whole to a temporary name and renamed into place, so a reader
-(or a crashed writer's successor) never sees half a file."""
+and shard size always give the same ids, which is what makes re-running a job resume it."""
 from __future__ import annotations
 
-import glob as globlib
 import os
-import uuid
 from dataclasses import asdict, dataclass
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 
 GLOB_CHARS = "*?["
-TMP_SUFFIX = ".tmp"
 
 
 @dataclass(frozen=True)
@@ -146,51 +139,3 @@ def read_shard(shard: Shard) -> pa.Table:
         offset += n
     table = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
     return table.slice(shard.start - first, shard.num_rows)
-
-
-# ---- output files ------------------------------------------------------------------------
-
-def output_fs(out: str):
-    """(filesystem, root path) of an output directory (local path or fsspec URL)."""
-    fs, root = fsspec.core.url_to_fs(out)
-    return fs, root.rstrip("/")
-
-
-def write_atomic(fs, path: str, data: bytes) -> None:
-    """Write `data` to path so that it appears whole or not at all. Locally: temporary file
-    in the same folder, fsync, rename, fsync the folder (the rename survives a power cut).
-    Object stores publish an object only when its upload completes, so one put suffices."""
-    folder = os.path.dirname(path)
-    fs.makedirs(folder, exist_ok=True)
-    if not isinstance(fs, LocalFileSystem):
-        fs.pipe_file(path, data)
-        return
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def write_table_atomic(fs, path: str, table: pa.Table) -> None:
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    write_atomic(fs, path, sink.getvalue().to_pybytes())
-
-
-def remove_stale_temps(fs, folder: str, filename: str) -> None:
-    """Temporary files a killed writer of `filename` left behind."""
-    if isinstance(fs, LocalFileSystem) and os.path.isdir(folder):
-        for p in globlib.glob(os.path.join(folder, f".{filename}.*{TMP_SUFFIX}")):
-            os.unlink(p)

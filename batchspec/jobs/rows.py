@@ -6,7 +6,6 @@ Optional columns: `id` (generated from file and row when absent), `domain`, and 
 sampling overrides. A bad row never stops the others: it becomes (id, error_type, message)."""
 from __future__ import annotations
 
-import hashlib
 import math
 import string
 from collections.abc import Callable
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from batchspec.io.shards import Shard
+from batchspec.jobs.shards import Shard
 from batchspec.sampling import SamplingParams
 
 FLOAT_OVERRIDES = ("temperature", "top_p")
@@ -60,13 +59,6 @@ def check_columns(path: str, schema: pa.Schema, template: str | None) -> None:
     elif not names & {"prompt", "messages"}:
         raise ValueError(f"input {path!r} has neither a 'prompt' nor a 'messages' column "
                          f"(columns: {sorted(names)}); add one or give a --template")
-
-
-def derived_seed(job_seed: int, request_id: str) -> int:
-    """Per-request seed from the job seed and the row id: outputs then depend on neither the
-    shard size nor which other rows share the batch."""
-    digest = hashlib.sha256(f"{job_seed}:{request_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def _override(name: str, value):
@@ -143,8 +135,6 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict, seed: int
             for name in OVERRIDES:
                 if row.get(name) is not None:
                     fields[name] = _override(name, row[name])
-            if fields.get("seed") is None:
-                fields["seed"] = derived_seed(seed, rid)
             try:
                 params = SamplingParams(**fields)
             except ValueError as e:

@@ -1,5 +1,5 @@
 """`batchspec report`: acceptance (α) of one or more jobs as a terminal summary, JSON and a
-self-contained HTML page with charts. The numbers come from batchspec.analysis; this module
+self-contained HTML page with charts. The numbers come from batchspec.report.analysis; this module
 only lays them out (docs/acceptance-analysis.md says what each one means)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from html import escape
 
 import click
 
-from batchspec.analysis import POSITION_BUCKETS, NoAcceptanceData, analyze
-from batchspec.charts import bar_chart
+from batchspec.report.analysis import POSITION_BUCKETS, NoAcceptanceData, analyze
+from batchspec.report.charts import bar_chart
 
 PLAIN = "(plain)"
 NUMBER = re.compile(r"-|[-+]?[\d,.]+%?")
@@ -72,7 +72,7 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     [key, "requests", "α", "P50", "P90", "P99", "tokens/pass", "skip", "fallback"],
                     [[_label(g[key], key), _num(g["requests"]), _num(g["acceptance_rate"]),
                       _num(g["p50"]), _num(g["p90"]), _num(g["p99"]),
-                      _num(g["tokens_per_pass"], 2), _pct(g["skip_rate"]),
+                      _num(g["mean_accepted_length"], 2), _pct(g["skip_rate"]),
                       _pct(g["fallback_rate"])] for g in rows]))
     out.append(("α by output position", ["position", "rounds", "drafted", "accepted", "α", "p"],
                 [[g["position"], _num(g["rounds"]), _num(g["drafted"]), _num(g["accepted"]),

@@ -15,9 +15,9 @@ import shutil
 import click
 import torch
 
-from batchspec import hfref
-from batchspec.evaluate import evaluate, evaluate_pair, load_prompts
-from batchspec.training import load_llama, new_llama, save_hf, train
+from batchspec.tools import hfref
+from batchspec.tools.evaluate import evaluate_pair, load_prompts
+from batchspec.tools.training import load_llama, new_llama, save_hf, train
 
 # The bundled drafts: one layer, hidden 192; head_dim 64 like the target.
 DRAFT_SIZE = dict(hidden_size=192, num_layers=1, num_heads=3, num_kv_heads=1,
@@ -144,4 +144,4 @@ def distill(target, out_dir, data, domain, init, steps, seconds, num_prompts, ge
     click.echo(json.dumps(report, indent=1))
 
 
-COMMANDS = [distill, evaluate]
+COMMANDS = [distill]

@@ -4,7 +4,7 @@ no longer fits its target.
 
 α = accepted / drafted draft tokens (k per round, as the engine counts). The engine backend
 runs real speculative decoding with batchspec's LLM and reads its acceptance records; the
-transformers backend replays it on the target's own continuations (see batchspec.hfref),
+transformers backend replays it on the target's own continuations (see batchspec.tools.hfref),
 which at T=0 gives the same numbers from one forward pass of each model."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import sys
 
 import click
 
-from batchspec import hfref
+from batchspec import contract
+from batchspec.tools import hfref
 
 
 def load_prompts(data: str | None, domain: str | None, num: int | None, *, split: str,
@@ -67,7 +68,8 @@ def _records_engine(target, draft, prompts, *, k, temperature, max_tokens, seed,
                         SamplingParams(temperature=temperature, max_tokens=max_tokens),
                         use_tqdm=False)
     return [{"rounds": o.stats["rounds"], "drafted": o.stats["total_drafted"],
-             "accepted": o.stats["total_accepted"], "tokens": o.stats["tokens_generated"] - 1}
+             "accepted": o.stats["total_accepted"],
+             "tokens": contract.decode_tokens(o.stats["tokens_generated"])}
             for o in outs]
 
 
@@ -77,12 +79,14 @@ def engine_available() -> bool:
 
 
 def summarize(records: list[dict]) -> dict:
+    """α and tokens per pass of records {rounds, drafted, accepted, tokens (decode tokens)},
+    by the formulas of batchspec.contract."""
     drafted = sum(r["drafted"] for r in records)
     accepted = sum(r["accepted"] for r in records)
     rounds = sum(r["rounds"] for r in records)
-    return {"acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-            "mean_accepted_length": round(sum(r["tokens"] for r in records) / rounds, 3)
-            if rounds else 0.0,
+    tokens = sum(r["tokens"] for r in records)
+    return {"acceptance_rate": round(contract.acceptance_rate(accepted, drafted) or 0.0, 4),
+            "mean_accepted_length": round(contract.mean_accepted_length(tokens, rounds) or 0.0, 3),
             "num_requests": len(records), "drafted": drafted, "accepted": accepted}
 
 
@@ -155,3 +159,6 @@ def evaluate(target, draft, data, domain, num_prompts, temperatures, k, max_toke
     if min_acceptance is not None and alpha < min_acceptance:
         click.echo(f"FAIL: acceptance rate {alpha:.3f} < {min_acceptance}", err=True)
         sys.exit(1)
+
+
+COMMANDS = [evaluate]

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import polars as pl
 
-from batchspec.io.schema import ACCEPTANCE_SCHEMA
+from batchspec.contract import ACCEPTANCE_SCHEMA
 
 log = logging.getLogger(__name__)
 
