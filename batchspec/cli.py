@@ -19,7 +19,8 @@ def cli(ctx: click.Context, verbose: int):
 
 # Modules that define a COMMANDS list of click commands.
 COMMAND_MODULES = ["batchspec.jobs.commands", "batchspec.report.command",
-                   "batchspec.tools.bench", "batchspec.tools.evaluate", "batchspec.tools.distill"]
+                   "batchspec.tools.bench", "batchspec.tools.evaluate", "batchspec.tools.distill",
+                   "batchspec.tools.convert"]
 
 
 def _register():

@@ -48,6 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True  # share the KV blocks of identical prompt prefixes
     attention_backend: str = "auto"   # auto | torch | flash
     num_threads: int | None = None    # CPU intra-op threads; None: 1 for models < 50M params
                                       # on CPU, else torch's default

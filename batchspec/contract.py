@@ -60,6 +60,8 @@ RECORD_FIELDS: list[tuple[str, str, str]] = [
     ("temperature", "float32", ""),
     ("k_max", "int32", "most drafts per round"),
     ("confidence_threshold", "float32", ""),
+    ("prompt_tokens", "int32", ""),
+    ("cached_prompt_tokens", "int32", "prompt tokens whose KV came from the prefix cache"),
     ("tokens_generated", "int32", ""),
     ("rounds", "int32", "decode passes of the target (the first token comes from prefill)"),
     ("total_drafted", "int32", ""),
@@ -110,6 +112,8 @@ def acceptance_record(seq: Sequence, *, target: str, draft_path: str | None, k_m
         "temperature": float(seq.params.temperature),
         "k_max": k_max,
         "confidence_threshold": float(confidence_threshold),
+        "prompt_tokens": seq.num_prompt_tokens,
+        "cached_prompt_tokens": seq.num_cached_prompt_tokens,
         "tokens_generated": n_out,
         "rounds": s.rounds,
         "total_drafted": drafted,
@@ -168,6 +172,11 @@ def mean_accepted_length(decode_tokens_, rounds):
     return ratio(decode_tokens_, rounds)
 
 
+def prompt_cache_hit_rate(cached_prompt_tokens, prompt_tokens):
+    """Share of prompt tokens whose KV came from the prefix cache instead of being computed."""
+    return ratio(cached_prompt_tokens, prompt_tokens)
+
+
 def expected_tokens_per_pass(p: float, k):
     """(1 - p^(k+1)) / (1 - p): tokens per target pass with windows of k and i.i.d. p
     (k an int or a Polars expression)."""
@@ -180,8 +189,9 @@ def speedup_theoretical(p: float, k: int, cost_ratio: float) -> float:
     return expected_tokens_per_pass(p, k) / (1.0 + k * cost_ratio)
 
 
-SUMMARY_COUNTERS = ("tokens_generated", "decode_tokens", "rounds", "total_drafted",
-                    "total_accepted", "rejections", "requests_with_fallback")
+SUMMARY_COUNTERS = ("prompt_tokens", "cached_prompt_tokens", "tokens_generated",
+                    "decode_tokens", "rounds", "total_drafted", "total_accepted", "rejections",
+                    "requests_with_fallback")
 
 
 def totals(records: Iterable[Mapping]) -> dict:
@@ -190,6 +200,8 @@ def totals(records: Iterable[Mapping]) -> dict:
     t["requests"] = 0
     for r in records:
         t["requests"] += 1
+        t["prompt_tokens"] += r.get("prompt_tokens") or 0
+        t["cached_prompt_tokens"] += r.get("cached_prompt_tokens") or 0
         n = r.get("tokens_generated") or 0
         t["tokens_generated"] += n
         t["decode_tokens"] += decode_tokens(n)
@@ -211,6 +223,10 @@ def summarize(t: Mapping) -> dict:
     `bench` report, and what `batchspec report` computes per group with the same formulas."""
     return {
         "requests": t.get("requests", 0),
+        "prompt_tokens": t.get("prompt_tokens", 0),
+        "cached_prompt_tokens": t.get("cached_prompt_tokens", 0),
+        "prompt_cache_hit_rate": prompt_cache_hit_rate(t.get("cached_prompt_tokens", 0),
+                                                       t.get("prompt_tokens", 0)),
         "tokens_generated": t["tokens_generated"],
         "rounds": t["rounds"],
         "total_drafted": t["total_drafted"],

@@ -24,6 +24,7 @@ class RequestOutput:
     domain: str | None = None
     draft: str | None = None      # the draft (path or "ngram") that served it; None: plain
     latency_s: float = 0.0        # from generate() receiving it to its last token
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     stats: dict = field(default_factory=dict)  # the acceptance record (DESIGN.md)
 
 
@@ -167,4 +168,5 @@ class LLM:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason or "abort",
             domain=seq.domain, draft=draft_path, stats=stats,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             latency_s=(seq.finish_time or seq.arrival_time) - seq.arrival_time)

@@ -11,7 +11,8 @@ from batchspec.sampling import SamplingParams
 
 
 def make_seq(i, n_prompt=5, max_tokens=8):
-    return Sequence(i, str(i), list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
+    return Sequence(i, str(i), list(range(100 * i + 1, 100 * i + n_prompt + 1)),
+                    SamplingParams(max_tokens=max_tokens),
                     seed=i)
 
 
@@ -79,7 +80,8 @@ def test_lookahead_reserves_blocks_and_budget():
 
 
 def test_preempt_when_cache_full_then_recompute():
-    bm = BlockManager(num_blocks=4, block_size=4)   # 16 slots
+    # (with prefix caching: tests/test_prefix_cache.py)
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)   # 16 slots
     sch = Scheduler(bm, 8, 100)
     a, b = make_seq(0, n_prompt=7), make_seq(1, n_prompt=7)
     sch.add(a)

@@ -60,7 +60,7 @@ class Engine:
         for r in all_runners:
             r.allocate_kv_cache(num_blocks, c.block_size)
         self.policy = SpecPolicy(c, self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, c.block_size)
+        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.policy.lookahead)
         self._next_id = 0
@@ -175,6 +175,9 @@ class Engine:
         seq = Sequence(self._next_id, rid, prompt_token_ids, params, seed, domain)
         self._next_id += 1
         seq.spec.draft = self.policy.draft_for(domain, params.temperature)
+        proposer = self.proposers.get(seq.spec.draft)
+        if isinstance(proposer, DraftModelProposer):  # its KV cache shares the block table
+            seq.spec.draft_cache = proposer.runner.path
         self.scheduler.add(seq)
         return seq
 

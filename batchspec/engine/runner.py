@@ -54,4 +54,5 @@ class ModelRunner:
                             self.kv_caches, self.attention_backend, self.block_size)
         if len(idx) == hidden.shape[0]:
             return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
+        return self.model.compute_logits(hidden[torch.tensor(idx, dtype=torch.long,
+                                                             device=self.device)])

@@ -4,7 +4,11 @@ Each step: running sequences first (decodes get 1 + lookahead slots, where looka
 number of draft tokens the sequence may verify; unfinished prefills get a chunk), then waiting
 sequences are admitted while the token budget, the sequence limit and free KV blocks allow.
 When the cache is full the most recently admitted sequence is preempted and later recomputed.
-A sequence leaves the batch the moment it finishes."""
+A sequence leaves the batch the moment it finishes.
+
+Admission starts a sequence from its longest cached prefix of full blocks (prefix caching,
+see block_manager.py), and each commit offers the sequence's newly completed blocks of
+committed tokens to the cache."""
 from __future__ import annotations
 
 import time
@@ -64,22 +68,35 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) == len(self.running)):
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+            cached = self.block_manager.match_prefix(seq)
+            if self.block_manager.is_pending(seq, len(cached)):
+                break  # its next blocks are being computed: admit it once they are cached
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(len(seq) - num_cached, budget)
+            if not self.block_manager.can_allocate(seq, num_cached + num_new, cached):
                 if not self.running:
                     raise RuntimeError(
                         f"request {seq.request_id} needs more KV blocks than the cache has "
                         f"({self.block_manager.num_blocks} blocks)")
                 break
             self.waiting.popleft()
+            self._admit(seq, cached)
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-            seq.status = Status.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new
         return scheduled
+
+    def _admit(self, seq: Sequence, cached: list[int]) -> None:
+        """Move seq to the batch, starting from the KV of its cached prefix blocks."""
+        bm = self.block_manager
+        bm.take_cached(seq, cached)
+        seq.num_computed_tokens = len(cached) * bm.block_size
+        seq.spec.num_draft_computed = seq.spec.num_draft_cached_blocks * bm.block_size
+        seq.status = Status.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.perf_counter()
+            seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for seq to hold num_tokens, preempting from the back of the running list.
@@ -112,6 +129,7 @@ class Scheduler:
             self.block_manager.truncate(seq, len(seq))
         spec = seq.spec
         spec.num_draft_computed = min(spec.num_draft_computed, seq.num_computed_tokens)
+        self.block_manager.cache_blocks(seq, seq.num_computed_tokens, spec.num_draft_computed)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED

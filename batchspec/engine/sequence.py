@@ -1,5 +1,6 @@
 """One request's state inside the engine: its tokens, how many of them have KV in the cache,
-its block table, and its speculation bookkeeping. Plain Python, no torch."""
+its block table (and the hash chain of its full blocks, for prefix caching), and its
+speculation bookkeeping. Plain Python, no torch."""
 from __future__ import annotations
 
 import enum
@@ -20,7 +21,11 @@ class Status(enum.Enum):
 class SpecState:
     """Speculation bookkeeping of one sequence (feeds its acceptance record)."""
     draft: str | None = None          # name of the draft serving this sequence; None: plain
+    draft_cache: str | None = None    # key of the draft KV cache it fills (the draft model's
+                                      # path); None: no draft model (plain or n-gram)
     num_draft_computed: int = 0       # tokens whose KV is in the draft's cache
+    num_draft_cached_blocks: int = 0  # leading blocks whose draft KV is marked in the prefix
+                                      # cache (see BlockManager.cache_blocks)
     rounds: int = 0
     drafted_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
@@ -51,6 +56,10 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed_tokens = 0              # tokens with KV in the target cache
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []       # hash chain of the full blocks hashed so far
+        self.num_cached_blocks = 0                # leading blocks offered to the prefix cache
+        self.num_announced_blocks = 0             # ... and those up to here, being computed
+        self.num_cached_prompt_tokens = 0         # prompt tokens whose KV came from the cache
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None     # text cut here when a stop string matched
         self.spec = SpecState()

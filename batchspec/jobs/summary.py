@@ -15,8 +15,9 @@ from batchspec.jobs.outputs import output_fs, shard_counts, shard_path, write_at
 from batchspec.jobs.shards import Shard
 from batchspec.jobs.states import SUCCESS
 
-TOTALS_COLUMNS = ["tokens_generated", "rounds", "total_drafted", "total_accepted",
-                  "round_drafted", "round_accepted", "fallback_triggered"]
+TOTALS_COLUMNS = ["prompt_tokens", "cached_prompt_tokens", "tokens_generated", "rounds",
+                  "total_drafted", "total_accepted", "round_drafted", "round_accepted",
+                  "fallback_triggered"]
 
 
 def acceptance_summary(fs, root: str, shards: list[Shard]) -> dict:
@@ -28,7 +29,9 @@ def acceptance_summary(fs, root: str, shards: list[Shard]) -> dict:
         if not fs.exists(shard_path(root, "outputs", shard)) or not fs.exists(path):
             continue
         with fs.open(path, "rb") as f:
-            records = pq.read_table(f, columns=TOTALS_COLUMNS).to_pylist()
+            pf = pq.ParquetFile(f)  # shards written before a column existed lack it
+            columns = [c for c in TOTALS_COLUMNS if c in pf.schema_arrow.names]
+            records = pf.read(columns=columns).to_pylist()
         t = add_totals(t, totals(records))
     return summarize(t)
 

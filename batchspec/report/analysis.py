@@ -90,8 +90,18 @@ def _rates() -> list[pl.Expr]:
     ]
 
 
-def summary_query(lf: pl.LazyFrame) -> pl.LazyFrame:
-    return lf.select(_rates())
+def _prompt_counts(columns: Sequence[str]) -> list[pl.Expr]:
+    """Prompt tokens and those served by the prefix cache (records written before these
+    columns existed have none)."""
+    if "cached_prompt_tokens" not in columns:
+        return []
+    prompt, cached = _sum("prompt_tokens"), _sum("cached_prompt_tokens")
+    return [prompt.alias("prompt_tokens"), cached.alias("cached_prompt_tokens"),
+            contract.prompt_cache_hit_rate(cached, prompt).alias("prompt_cache_hit_rate")]
+
+
+def summary_query(lf: pl.LazyFrame, columns: Sequence[str] = ()) -> pl.LazyFrame:
+    return lf.select(_rates() + _prompt_counts(columns))
 
 
 def breakdown_query(lf: pl.LazyFrame, key: str) -> pl.LazyFrame:
@@ -210,7 +220,7 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
     if unknown:
         raise ValueError(f"cannot break down by {unknown}; use {sorted(BREAKDOWN_KEYS)} "
                          f"or a column name")
-    queries = [summary_query(lf), depth_query(lf), position_query(lf), histogram_query(lf),
+    queries = [summary_query(lf, columns), depth_query(lf), position_query(lf), histogram_query(lf),
                outliers_query(lf, num_outliers, min_drafted), speedup_query(lf),
                *(breakdown_query(lf, k) for k in by)]
     # The streaming engine runs the ~30M-row explode of the per-round lists in half the time.

@@ -61,6 +61,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         ("observed speedup (tokens/s vs plain)", observed),
         ("rounds cut short by confidence", _pct(s["skip_rate"])),
         ("requests that fell back", _pct(s["fallback_rate"])),
+        ("prompt tokens from the prefix cache",
+         f"{_pct(s.get('prompt_cache_hit_rate'))}  ({s.get('cached_prompt_tokens') or 0:,} / "
+         f"{s.get('prompt_tokens') or 0:,})"),
     ]
 
 
