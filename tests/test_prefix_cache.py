@@ -210,3 +210,17 @@ def test_caching_off_shares_nothing():
     sch.finish(a, "stop")
     assert not bm.hash_to_block and bm.match_prefix(make_seq(1, range(1, 10))) == []
     assert len(bm.free_block_ids) == 16
+
+
+def test_reset_forgets_released_blocks_only():
+    bm = BlockManager(8, BS)
+    sch = Scheduler(bm, 8, 100)
+    a, b = make_seq(0, range(1, 10)), make_seq(1, range(20, 30))
+    for s in (a, b):
+        sch.add(s)
+        prefill(sch, s)
+    sch.finish(a, "stop")
+    bm.reset_prefix_cache()
+    assert bm.match_prefix(make_seq(2, range(1, 10))) == []
+    assert len(bm.match_prefix(make_seq(3, range(20, 30)))) == 2   # b still holds its blocks
+    assert not bm.evictable and bm.num_free_blocks == 8 - len(b.block_table)

@@ -136,6 +136,18 @@ class BlockManager:
                     self.draft_caches[block_id].add(key)
             spec.num_draft_cached_blocks = n_draft
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no sequence holds (they become plain free blocks)."""
+        while self.evictable:
+            block_id, _ = self.evictable.popitem(last=False)
+            self._uncache(block_id)
+            self.free_block_ids.append(block_id)
+
+    def _uncache(self, block_id: int) -> None:
+        del self.hash_to_block[self.hashes[block_id]]
+        self.hashes[block_id] = None
+        self.draft_caches[block_id].clear()
+
     # ---- allocation --------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
         """Whether seq's table (plus the cached blocks it is about to take) can grow to hold
@@ -170,9 +182,7 @@ class BlockManager:
             block_id = self.free_block_ids.pop()
         else:  # evict the least recently released cached block
             block_id, _ = self.evictable.popitem(last=False)
-            del self.hash_to_block[self.hashes[block_id]]
-            self.hashes[block_id] = None
-            self.draft_caches[block_id].clear()
+            self._uncache(block_id)
         self.ref_counts[block_id] = 1
         return block_id
 

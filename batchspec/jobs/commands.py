@@ -61,6 +61,8 @@ JOB_OPTIONS = [
                  envvar="BATCHSPEC_ADAPTIVE_K",
                  help="Per step, draft the k (0..-k) with the most expected tokens/s, from "
                       "costs measured at start-up [fixed k]."),
+    click.option("--prefix-caching/--no-prefix-caching", "prefix_caching", default=None,
+                 help="Share the KV cache of identical prompt prefixes between rows [on]."),
     click.option("--template", help="Prompt template over input columns, e.g. "
                                     "'Q: {question}\\nContext: {context}'."),
     click.option("--chat/--no-chat", default=None,

@@ -43,6 +43,7 @@ class JobSpec:
     min_acceptance: float | None = None
     max_spec_temperature: float | None = None
     adaptive_k: bool = False          # per step, the k with the most expected tokens/s
+    prefix_caching: bool = True       # share the KV of identical prompt prefixes
     max_attempts: int = 3             # deliveries of a shard before it is marked failed
     name: str | None = None
     job_id: str | None = None
@@ -101,7 +102,8 @@ class JobSpec:
                             num_speculative_tokens=self.num_speculative_tokens,
                             confidence_threshold=self.confidence_threshold,
                             device=device or self.device, dtype=self.dtype, seed=self.seed,
-                            adaptive_k=self.adaptive_k, **extra)
+                            adaptive_k=self.adaptive_k,
+                            enable_prefix_caching=self.prefix_caching, **extra)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

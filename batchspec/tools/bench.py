@@ -131,7 +131,8 @@ def print_table(rows):
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--batch-sizes", default="1,32", show_default=True, callback=_csv(int))
 @click.option("--temperatures", default="0,0.8", show_default=True, callback=_csv(float))
-@click.option("--methods", default=",".join(METHODS), show_default=True, callback=_csv(str))
+@click.option("--methods", callback=_csv(str), help=f"Comma-separated, of {','.join(METHODS)} "
+              f"[all; with --target but no --draft: hf,plain,ngram].")
 @click.option("--k", type=int, default=4, show_default=True, help="Draft tokens per round.")
 @click.option("--confidence-threshold", "threshold", type=float, default=0.0,
               show_default=True, help="batchspec drafts stop below this draft probability.")
@@ -149,18 +150,25 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
           json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
     from batchspec.models.loader import num_parameters
-    if bad := set(methods) - set(METHODS):
-        raise click.BadParameter(f"unknown methods {sorted(bad)}; choose from {METHODS}")
     models = {"target": target, "draft": draft, "draft-code": draft_code,
               "draft-docs": draft_docs}
-    if not all(models.values()):
+    if target is None:  # the demo family
         from batchspec.demo import demo_models
         models = {name: path or demo_models()[name] for name, path in models.items()}
+    elif draft is not None:  # a target of one's own: domain drafts default to its draft
+        models = {name: path or draft for name, path in models.items()}
+    methods = methods or (list(METHODS) if models["draft"] else ["hf", "plain", "ngram"])
+    if bad := set(methods) - set(METHODS):
+        raise click.BadParameter(f"unknown methods {sorted(bad)}; choose from {METHODS}")
+    if not models["draft"] and (needs := [m for m in methods
+                                          if m.startswith("spec") or m == "hf-assisted"]):
+        raise click.BadParameter(f"methods {needs} need a draft model: give --draft")
     prompts = load_prompts(data, domain, num_prompts, split="heldout", seed=seed)
     tok = hfref.load_tokenizer(models["target"])
     prompt_ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
-    cost = num_parameters(models["draft"]) / num_parameters(models["target"])
+    cost = num_parameters(models["draft"]) / num_parameters(models["target"]) \
+        if models["draft"] else 0.0
     # One thread count for every method; by default the engine's own choice for this target.
     from batchspec.engine.engine import SMALL_MODEL_PARAMS
     if threads is None and num_parameters(models["target"]) < SMALL_MODEL_PARAMS:
