@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
+
 NGRAM = "ngram"
 
 
@@ -35,7 +37,7 @@ def default_dtype(model: str, device: str) -> str:
 class EngineConfig:
     model: str
     drafts: dict[str, str] = field(default_factory=dict)  # domain -> HF dir or "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     dtype: str = "auto"               # auto | float32 | bfloat16 | float16; auto: see
@@ -44,7 +46,7 @@ class EngineConfig:
     # paged KV cache and batching
     block_size: int | None = None     # tokens per KV block; None: 16 (torch), 256 (flash)
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # None: 2 GiB on CPU, 90% of free memory on GPU
+    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 import string
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pyarrow as pa
 
+from batchspec.contract import Request, RequestError
 from batchspec.jobs.shards import Shard
 from batchspec.sampling import SamplingParams
 
@@ -25,14 +25,6 @@ class RowError(Exception):
     def __init__(self, error_type: str, message: str):
         super().__init__(message)
         self.error_type = error_type
-
-
-@dataclass
-class Request:
-    id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    domain: str | None
 
 
 def template_fields(template: str) -> list[str]:
@@ -116,12 +108,13 @@ def row_ids(table: pa.Table, shard: Shard) -> list[str]:
     return [_row_id({"id": v}, shard, i) for i, v in enumerate(ids)]
 
 
-def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict, seed: int,
-                     encode: Callable[[object], list[int]], max_model_len: int,
-                     template: str | None = None, chat: bool = False
-                     ) -> tuple[list[Request], list[dict]]:
+def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
+                     make_request: Callable[..., Request], template: str | None = None,
+                     chat: bool = False) -> tuple[list[Request], list[dict]]:
     """(requests that can run, error rows {id, error_type, message}) of one shard's table.
-    `sampling` holds the job's SamplingParams fields; a row's non-null overrides win."""
+    `sampling` holds the job's SamplingParams fields; a row's non-null overrides win.
+    make_request(prompt, params, request_id, domain) is LLM.make_request: it encodes and
+    checks the prompt. A row without a seed gets the engine's request_seed(job seed, id)."""
     requests: list[Request] = []
     errors: list[dict] = []
     seen: set[str] = set()
@@ -144,15 +137,9 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict, seed: int
                 raise RowError("invalid_domain", f"domain must be a string, got {domain!r}")
             prompt = _prompt(row, template, chat)
             try:
-                ids = encode(prompt)
-            except ValueError as e:
-                raise RowError("invalid_prompt", str(e)) from e
-            if not ids:
-                raise RowError("empty_prompt", "prompt encodes to no tokens")
-            if len(ids) >= max_model_len:
-                raise RowError("prompt_too_long", f"prompt has {len(ids)} tokens; the model's "
-                                                  f"context is {max_model_len}")
-            requests.append(Request(rid, ids, params, domain))
+                requests.append(make_request(prompt, params, rid, domain))
+            except RequestError as e:
+                raise RowError(e.kind, str(e)) from e
         except RowError as e:
             errors.append({"id": rid, "error_type": e.error_type, "message": str(e)})
     return requests, errors

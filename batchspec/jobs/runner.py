@@ -1,5 +1,5 @@
-"""Run one shard (the same code in `batchspec run` and in a Celery worker), and the local
-runner behind `batchspec run`.
+"""Run shards: ShardDriver (one driver, used by `batchspec run` and by the Celery worker's
+run_shard), and the local runner behind `batchspec run`.
 
 A shard: read its rows, validate them (bad rows -> errors), generate, then write the
 acceptance records, the errors and, last, the outputs, each atomically. The outputs file is
@@ -53,49 +53,108 @@ def is_done(spec: JobSpec, shard: Shard) -> bool:
     return fs.exists(shard_path(root, "outputs", shard))
 
 
+@dataclass
+class ShardWork:
+    """A shard queued in a ShardDriver: its error rows, its sequences, and its result once
+    written."""
+    shard: Shard
+    errors: list[dict]
+    seqs: list
+    left: int
+    t0: float
+    result: ShardResult | None = None
+
+
+class ShardDriver:
+    """Runs shards through one engine: `batchspec run` and the Celery worker both drive
+    shards with it. A shard's rows are read, checked (bad rows -> errors) and queued by
+    `add`; `step` runs one engine step and writes every shard whose last row finished in it.
+    Queue the next shard whenever `wants_more()` (every queued row has been admitted), and
+    the batch stays full across shard boundaries instead of draining each shard's tail."""
+
+    def __init__(self, spec: JobSpec, llm, job_id: str):
+        self.spec, self.llm, self.job_id = spec, llm, job_id
+        self._by_seq: dict[int, ShardWork] = {}   # Sequence.seq_id -> its shard
+        self.num_tokens = 0
+
+    def add(self, shard: Shard) -> ShardWork:
+        """Queue the shard's valid rows; a shard with none is written at once."""
+        t0 = time.perf_counter()
+        requests, errors = prepare_requests(
+            read_shard(shard), shard, sampling=self.spec.sampling_fields(),
+            make_request=self.llm.make_request, template=self.spec.template,
+            chat=self.spec.chat)
+        seqs = self.llm.add(requests)
+        work = ShardWork(shard, errors, seqs, len(seqs), t0)
+        self._by_seq.update((s.seq_id, work) for s in seqs)
+        if not seqs:
+            self._write(work)
+        return work
+
+    def wants_more(self) -> bool:
+        return not self.llm.has_waiting()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._by_seq)
+
+    def step(self) -> tuple[list[ShardWork], int]:
+        """One engine step: (shards written in it, requests finished in it)."""
+        finished, n = self.llm.step()
+        self.num_tokens += n
+        written = []
+        for seq in finished:
+            work = self._by_seq.pop(seq.seq_id)
+            work.left -= 1
+            if work.left == 0:
+                self._write(work)
+                written.append(work)
+        return written, len(finished)
+
+    def abort(self) -> None:
+        """Drop every shard in flight, writing nothing: they stay not done."""
+        self.llm.engine.abort_all()
+        self._by_seq.clear()
+
+    def _write(self, work: ShardWork) -> None:
+        outs = [self.llm.output(s) for s in work.seqs]
+        records = [{**o.stats, "job_id": self.job_id, "shard": work.shard.id} for o in outs]
+        outputs = [{"id": o.request_id, "text": o.text, "token_ids": list(o.token_ids),
+                    "finish_reason": o.finish_reason,
+                    "num_prompt_tokens": len(o.prompt_token_ids),
+                    "num_output_tokens": len(o.token_ids), "domain": o.domain,
+                    "draft": o.draft, "latency_s": o.latency_s} for o in outs]
+        write_shard(self.spec.output, work.shard, outputs, records, work.errors)
+        work.result = ShardResult(work.shard.id, "done", len(outputs), len(work.errors),
+                                  sum(len(o.token_ids) for o in outs),
+                                  time.perf_counter() - work.t0)
+
+
 def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
               should_abort: Callable[[], bool] | None = None,
               on_progress: Callable[[int, int], None] | None = None) -> ShardResult:
+    """One shard (a Celery task's work): skipped when its outputs exist, aborted (nothing
+    written) when should_abort() turns true between engine steps."""
     fs, root = output_fs(spec.output)
     if fs.exists(shard_path(root, "outputs", shard)):
         n_ok, n_bad = shard_counts(fs, root, shard)
         return ShardResult(shard.id, "skipped", n_ok, n_bad)
-    t0 = time.perf_counter()
-    requests, errors = _prepare(spec, shard, llm)
-    outs = []
-    if requests:
-        outs = llm.generate([r.prompt_token_ids for r in requests],
-                            [r.params for r in requests],
-                            domains=[r.domain for r in requests],
-                            request_ids=[r.id for r in requests],
-                            should_abort=should_abort, on_progress=on_progress,
-                            use_tqdm=False)
-    if any(o.finish_reason == "abort" for o in outs):
-        # Cancelled mid-shard: write nothing, the shard stays not done.
-        return ShardResult(shard.id, "aborted", wall_s=time.perf_counter() - t0)
-    return write_results(spec, shard, outs, errors, job_id=job_id, t0=t0)
-
-
-def _prepare(spec: JobSpec, shard: Shard, llm):
-    """The shard's valid requests and its error rows."""
-    return prepare_requests(
-        read_shard(shard), shard, sampling=spec.sampling_fields(), seed=spec.seed,
-        encode=llm.encode, max_model_len=llm.max_model_len, template=spec.template,
-        chat=spec.chat)
-
-
-def write_results(spec: JobSpec, shard: Shard, outs, errors: list[dict], *, job_id: str,
-                  t0: float) -> ShardResult:
-    """Write a shard's acceptance records, errors and, last (the commit point), outputs."""
-    records = [{**o.stats, "job_id": job_id, "shard": shard.id} for o in outs]
-    outputs = [{"id": o.request_id, "text": o.text, "token_ids": list(o.token_ids),
-                "finish_reason": o.finish_reason,
-                "num_prompt_tokens": len(o.prompt_token_ids),
-                "num_output_tokens": len(o.token_ids), "domain": o.domain,
-                "draft": o.draft, "latency_s": o.latency_s} for o in outs]
-    write_shard(spec.output, shard, outputs, records, errors)
-    return ShardResult(shard.id, "done", len(outputs), len(errors),
-                       sum(len(o.token_ids) for o in outs), time.perf_counter() - t0)
+    driver = ShardDriver(spec, llm, job_id)
+    work = driver.add(shard)
+    done = 0
+    try:
+        while work.result is None:
+            if should_abort is not None and should_abort():
+                driver.abort()
+                return ShardResult(shard.id, "aborted")
+            _, n = driver.step()
+            done += n
+            if on_progress is not None:
+                on_progress(done, driver.num_tokens)
+    finally:
+        if driver.busy:  # interrupted: leave the engine clean
+            driver.abort()
+    return work.result
 
 
 def fail_shard(output: str, shard: Shard, reason: str) -> None:
@@ -130,15 +189,6 @@ class Progress:
         self.bar.close()
 
 
-@dataclass
-class _ShardInFlight:
-    shard: Shard
-    errors: list[dict]
-    seqs: list
-    left: int
-    t0: float
-
-
 def run_local(spec: JobSpec, progress: bool = True, llm=None) -> dict:
     """`batchspec run`: every missing shard in this process, then finalize. Returns the
     `_job.json` document.
@@ -158,41 +208,18 @@ def run_local(spec: JobSpec, progress: bool = True, llm=None) -> dict:
         from batchspec.llm import LLM
         llm = LLM.from_config(spec.engine_config())
     pending = deque(todo)
-    inflight: dict[int, _ShardInFlight] = {}   # id(sequence) -> its shard
-    tokens = 0
-
-    def finish(work: _ShardInFlight) -> None:
-        write_results(spec, work.shard, [llm.output(s) for s in work.seqs], work.errors,
-                      job_id=job_id, t0=work.t0)
-
+    driver = ShardDriver(spec, llm, job_id) if todo else None
     try:
-        while pending or inflight:
-            while pending and not llm.engine.scheduler.waiting:
-                shard, started = pending.popleft(), time.perf_counter()
-                requests, errors = _prepare(spec, shard, llm)
-                seqs = llm.add_requests([r.prompt_token_ids for r in requests],
-                                        [r.params for r in requests],
-                                        domains=[r.domain for r in requests],
-                                        request_ids=[r.id for r in requests]) \
-                    if requests else []
-                work = _ShardInFlight(shard, errors, seqs, len(seqs), started)
-                inflight.update((id(s), work) for s in seqs)
-                bar.advance(len(errors))
-                if not seqs:
-                    finish(work)
-            if not inflight:
+        while pending or (driver is not None and driver.busy):
+            while pending and driver.wants_more():
+                bar.advance(len(driver.add(pending.popleft()).errors))
+            if not driver.busy:
                 continue
-            finished, n = llm.step()
-            tokens += n
-            for seq in finished:
-                work = inflight.pop(id(seq))
-                work.left -= 1
-                if work.left == 0:
-                    finish(work)
-            bar.advance(len(finished), tokens)
+            _, n = driver.step()
+            bar.advance(n, driver.num_tokens)
     finally:
-        if llm is not None and llm.engine.has_unfinished():  # interrupted: leave it clean
-            llm.engine.abort_all()
+        if driver is not None and driver.busy:  # interrupted: leave the engine clean
+            driver.abort()
     bar.close()
     timings.update(finished_at=utcnow(), wall_s=time.perf_counter() - t0)
     return finalize(spec.to_dict() | {"job_id": job_id}, shards, job_id=job_id,
