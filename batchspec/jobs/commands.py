@@ -68,6 +68,9 @@ JOB_OPTIONS = [
     click.option("--max-attempts", type=int, envvar="BATCHSPEC_MAX_ATTEMPTS", help="Deliveries of a shard before it is "
                                                   "marked failed (Celery) [3]."),
     click.option("--name", help="Job name (prefix of the job id)."),
+    click.option("--output-format", type=click.Choice(["parquet", "openai"]),
+                 help="openai: also write the OpenAI Batch output and error files "
+                      "(OUT/openai/*.jsonl) when the job ends [parquet]."),
 ]
 
 
@@ -117,7 +120,8 @@ def _report(doc: dict) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @clear_errors
 def run(config, quiet, **options):
-    """Run a job in this process: INPUT... Parquet files, globs or URLs -> -o OUT."""
+    """Run a job in this process: INPUT... Parquet or OpenAI Batch (.jsonl) files, globs or
+    URLs -> -o OUT."""
     from batchspec.jobs.runner import run_local
     doc = run_local(build_spec(config, **options), progress=not quiet)
     _report(doc)

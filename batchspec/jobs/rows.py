@@ -3,7 +3,8 @@
 A row gives its prompt as `prompt` (string) or `messages` (list of {role, content}, chat
 template applied), or through the job's `template` over other columns (`{question}`).
 Optional columns: `id` (generated from file and row when absent), `domain`, and per-row
-sampling overrides. A bad row never stops the others: it becomes (id, error_type, message)."""
+sampling overrides (OVERRIDES, and `stop`: a string or a list of strings). A bad row never
+stops the others: it becomes (id, error_type, message)."""
 from __future__ import annotations
 
 import math
@@ -65,6 +66,15 @@ def _override(name: str, value):
     return float(value)
 
 
+def _stop(value) -> list[str]:
+    """The `stop` override: a string or a list of non-empty strings."""
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RowError("invalid_override", f"stop must be a string or a list of non-empty "
+                                           f"strings, got {value!r}")
+    return stop
+
+
 def _prompt(row: dict, template: str | None, chat: bool):
     """The row's prompt as a string or a list of chat messages."""
     if template is not None:
@@ -121,6 +131,8 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
     for i, row in enumerate(table.to_pylist()):
         rid = _row_id(row, shard, i)
         try:
+            if row.get("_error_type"):  # a line of a request file that cannot run
+                raise RowError(row["_error_type"], row.get("_error") or "invalid request")
             if rid in seen:
                 raise RowError("duplicate_id", f"id {rid!r} appears more than once")
             seen.add(rid)
@@ -128,6 +140,8 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
             for name in OVERRIDES:
                 if row.get(name) is not None:
                     fields[name] = _override(name, row[name])
+            if row.get("stop") is not None:
+                fields["stop"] = _stop(row["stop"])
             try:
                 params = SamplingParams(**fields)
             except ValueError as e:
