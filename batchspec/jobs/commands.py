@@ -115,14 +115,23 @@ def _report(doc: dict) -> None:
                f"failed; acceptance rate {rate}; {doc['spec']['output']}", err=True)
 
 
+metrics_option = click.option(
+    "--metrics-port", type=int, envvar="BATCHSPEC_METRICS_PORT",
+    help="Serve Prometheus metrics on this port (/metrics); off by default.")
+
+
 @click.command()
 @job_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@metrics_option
 @clear_errors
-def run(config, quiet, **options):
+def run(config, quiet, metrics_port, **options):
     """Run a job in this process: INPUT... Parquet or OpenAI Batch (.jsonl) files, globs or
     URLs -> -o OUT."""
     from batchspec.jobs.runner import run_local
+    if metrics_port:
+        from batchspec.jobs.metrics import serve_local
+        serve_local(metrics_port)
     doc = run_local(build_spec(config, **options), progress=not quiet)
     _report(doc)
     click.echo(doc["job_id"])
@@ -239,15 +248,20 @@ def cancel(ctx, job_id):
                                       "crashed child; solo runs shards in this process.")
 @click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
 @click.option("--hostname", help="Celery node name (default: celery@HOST).")
+@metrics_option
 @broker_option
 @click.pass_context
-def worker(ctx, device, concurrency, pool, loglevel, hostname):
+@clear_errors
+def worker(ctx, device, concurrency, pool, loglevel, hostname, metrics_port):
     """Start a Celery worker that runs shards."""
     import os
 
     from batchspec.jobs.celery_app import QUEUE, use_broker
     if device:
         os.environ["BATCHSPEC_DEVICE"] = device  # read by the pool's children
+    if metrics_port:  # before the pool forks: its children record, this process serves
+        from batchspec.jobs.metrics import serve_worker
+        serve_worker(metrics_port, ctx.obj["broker"], QUEUE)
     argv = ["worker", f"--concurrency={concurrency}", f"--pool={pool}",
             f"--loglevel={loglevel}", "-Q", QUEUE]
     use_broker(ctx.obj["broker"]).worker_main(argv + ([f"--hostname={hostname}"] if hostname else []))

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from batchspec.jobs import metrics
 from batchspec.jobs.outputs import (
     output_fs,
     shard_counts,
@@ -100,7 +101,9 @@ class ShardDriver:
 
     def step(self) -> tuple[list[ShardWork], int]:
         """One engine step: (shards written in it, requests finished in it)."""
+        t0 = time.perf_counter()
         finished, n = self.llm.step()
+        metrics.on_step(self.llm, time.perf_counter() - t0)
         self.num_tokens += n
         written = []
         for seq in finished:
@@ -128,6 +131,7 @@ class ShardDriver:
         work.result = ShardResult(work.shard.id, "done", len(outputs), len(work.errors),
                                   sum(len(o.token_ids) for o in outs),
                                   time.perf_counter() - work.t0)
+        metrics.on_shard(self.job_id, outputs, records, len(work.errors), work.result.wall_s)
 
 
 def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
