@@ -193,6 +193,12 @@ def read_rows(path: str, start: int, num_rows: int, source: str) -> pa.Table:
     return pa.Table.from_pylist(rows, ROW_SCHEMA)
 
 
+def iter_column(path: str, name: str):
+    """(row, value) of one column of a request file's rows (jobs/shards.py's iter_column)."""
+    for i, (number, text) in enumerate(_lines(path)):
+        yield i, parse_row(number, text, "").get(name)
+
+
 def request_index(path: str) -> dict[str, dict]:
     """custom_id -> {line, url, model} of a request file's lines (for the output files)."""
     index: dict[str, dict] = {}
