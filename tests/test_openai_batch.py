@@ -81,6 +81,9 @@ def test_run_openai_batch_file(requests_file, job_args, parquet_job, tmp_path):
                                  "-q", "--output-format", "openai", *job_args])
     assert r.exit_code == 0, r.output
     check_openai_job(out, parquet_job)
+    assert f"{NUM_GOOD}/{NUM_GOOD + 2} requests done, 2 failed" in r.stderr
+    assert "acceptance rate α 0." in r.stderr and f"outputs in {out}/outputs/" in r.stderr
+    assert f"{out}/openai/output.jsonl" in r.stderr
     doc = json.loads((out / "_job.json").read_text())
     assert doc["state"] == "completed_with_errors"
     assert doc["counts"]["requests_failed"] == len(BAD_LINES)
@@ -95,6 +98,19 @@ def test_submit_openai_batch_file(requests_file, job_args, parquet_job, start_wo
                   "--output-format", "openai", "--wait", "-q", *job_args)
     assert r.returncode == 0, r.stderr + worker.tail()
     check_openai_job(out, parquet_job)
+    # submit --wait ends like run: counts, α, where the outputs are.
+    assert f"completed_with_errors: {NUM_GOOD}/{NUM_GOOD + 2} requests done" in r.stderr
+    assert "acceptance rate α 0." in r.stderr and f"outputs in {out}/outputs/" in r.stderr
+    job_id = r.stdout.strip().splitlines()[-1]
+    status = batchspec(redis_server, "status", job_id)
+    assert status.returncode == 0, status.stderr
+    lines = dict(line.split(None, 1) for line in status.stdout.splitlines()
+                 if line and not line.startswith(" ") and line.split()[0] in
+                 ("state", "progress", "requests", "shards", "acceptance", "output"))
+    assert lines["state"] == "completed_with_errors"
+    assert "100.0%" in lines["progress"] and f"{NUM_GOOD + 2}/{NUM_GOOD + 2}" in lines["progress"]
+    assert lines["requests"].startswith(f"{NUM_GOOD} done, 2 failed")
+    assert lines["acceptance"].split()[-1].startswith("0.") and lines["output"] == str(out)
 
 
 @pytest.mark.parametrize("line, error_type", [

@@ -157,11 +157,8 @@ def build_spec(config, **options):
 
 
 def _report(doc: dict) -> None:
-    c, s = doc["counts"], doc["summary"]
-    rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"
-    click.echo(f"{doc['state']}: {c['requests_completed']}/{c['requests_total']} requests, "
-               f"{c['requests_failed']} failed (see errors/), {c['shards_failed']} shards "
-               f"failed; acceptance rate {rate}; {doc['spec']['output']}", err=True)
+    from batchspec.jobs.display import ending_of_doc
+    click.echo(ending_of_doc(doc), err=True)
 
 
 def _already_complete(doc: dict) -> None:
@@ -267,8 +264,8 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
         return
     click.echo(f"submitted {job_id}", err=True)
     job = wait_for(store, job_id, progress=not quiet)
-    click.echo(f"{job['state']}: {job['requests_completed']}/{job['requests_total']} requests, "
-               f"{job['requests_failed']} failed; {job['output']}", err=True)
+    from batchspec.jobs.display import ending_of_record
+    click.echo(ending_of_record(job), err=True)
     click.echo(job_id)
     sys.exit(0 if job["state"] in SUCCESS else 1)
 
@@ -290,8 +287,22 @@ def status(ctx, job_id, as_json):
     if as_json:
         click.echo(json.dumps(job, indent=2, sort_keys=True))
         return
-    for key in sorted(job):
-        click.echo(f"{key:22} {job[key]}")
+    from batchspec.jobs.display import status_table
+    click.echo(status_table(job, _alpha_so_far(store, job), job["shards"]))
+
+
+def _alpha_so_far(store, job: dict):
+    """α of the job: its summary once it ended, else read from the acceptance files of the
+    shards done so far (a string saying why when they cannot be read from here)."""
+    if "summary" in job:
+        return job["summary"].get("acceptance_rate")
+    from batchspec.jobs.outputs import output_fs
+    from batchspec.jobs.summary import acceptance_summary
+    try:
+        fs, root = output_fs(job["output"])
+        return acceptance_summary(fs, root, store.plan(job["job_id"]))["acceptance_rate"]
+    except Exception as e:  # noqa: BLE001 - the output may live where this host cannot read
+        return f"- (cannot read {job['output']} from here: {type(e).__name__})"
 
 
 @click.command()
@@ -301,11 +312,8 @@ def status(ctx, job_id, as_json):
 @clear_errors
 def jobs(ctx, limit):
     """Recent jobs, newest first."""
-    click.echo(f"{'JOB':40} {'STATE':22} {'SHARDS':>9} {'REQUESTS':>16} CREATED")
-    for j in _store(ctx).recent(limit):
-        shards = f"{j['shards_completed'] + j['shards_failed']}/{j['shards_total']}"
-        reqs = f"{j['requests_completed']}+{j['requests_failed']}/{j['requests_total']}"
-        click.echo(f"{j['job_id']:40} {j['state']:22} {shards:>9} {reqs:>16} {j['created_at']}")
+    from batchspec.jobs.display import jobs_table
+    click.echo(jobs_table(_store(ctx).recent(limit)))
 
 
 @click.command()

@@ -81,7 +81,8 @@ def get() -> Metrics | None:
 
 def draft_label(draft: str | None) -> str:
     """A draft as people name it: its directory's name, 'ngram', or 'none' (plain)."""
-    return draft.rstrip("/").rsplit("/", 1)[-1] if draft else "none"
+    from batchspec.jobs.display import draft_name
+    return draft_name(draft) or "none"
 
 
 def on_step(llm, seconds: float) -> None:

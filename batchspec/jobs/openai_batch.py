@@ -29,6 +29,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchspec.jobs.display import draft_name
+
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 SUFFIXES = (".jsonl",)
 
@@ -219,11 +221,6 @@ def request_index(path: str) -> dict[str, dict]:
 
 def _hash_id(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
-
-
-def draft_name(draft: str | None) -> str | None:
-    """A draft as people name it: the model directory's name, or 'ngram'."""
-    return draft.rstrip("/").rsplit("/", 1)[-1] if draft else None
 
 
 def response_line(out: dict, record: dict | None, request: dict, *, job_id: str,
