@@ -43,6 +43,7 @@ def prompts(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_worker_metrics_scraped_mid_job(start_worker, redis_server, model_factory, tiny_draft,
                                         prompts, tmp_path):
     # A model slow enough that 8 shards take seconds, so the job is seen running.

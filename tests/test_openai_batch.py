@@ -90,6 +90,7 @@ def test_run_openai_batch_file(requests_file, job_args, parquet_job, tmp_path):
     assert doc["openai_files"]["output"].endswith("openai/output.jsonl")
 
 
+@pytest.mark.slow
 def test_submit_openai_batch_file(requests_file, job_args, parquet_job, start_worker,
                                   redis_server, tmp_path):
     worker = start_worker("openai")
@@ -101,6 +102,7 @@ def test_submit_openai_batch_file(requests_file, job_args, parquet_job, start_wo
     # submit --wait ends like run: counts, α, where the outputs are.
     assert f"completed_with_errors: {NUM_GOOD}/{NUM_GOOD + 2} requests done" in r.stderr
     assert "acceptance rate α 0." in r.stderr and f"outputs in {out}/outputs/" in r.stderr
+    assert f"{out}/openai/output.jsonl" in r.stderr
     job_id = r.stdout.strip().splitlines()[-1]
     status = batchspec(redis_server, "status", job_id)
     assert status.returncode == 0, status.stderr

@@ -265,7 +265,9 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
     click.echo(f"submitted {job_id}", err=True)
     job = wait_for(store, job_id, progress=not quiet)
     from batchspec.jobs.display import ending_of_record
-    click.echo(ending_of_record(job), err=True)
+    from batchspec.jobs.openai_batch import output_paths
+    openai_files = output_paths(job["output"]) if spec.output_format == "openai" else None
+    click.echo(ending_of_record(job, openai_files), err=True)
     click.echo(job_id)
     sys.exit(0 if job["state"] in SUCCESS else 1)
 

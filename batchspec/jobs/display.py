@@ -50,13 +50,13 @@ def ending_of_doc(doc: dict) -> str:
                   output=doc["spec"]["output"], openai_files=doc.get("openai_files"))
 
 
-def ending_of_record(job: dict) -> str:
+def ending_of_record(job: dict, openai_files: dict | None = None) -> str:
     """ending() of a job record in Redis (JobStore.get)."""
     return ending(job["state"], completed=job["requests_completed"],
                   failed=job["requests_failed"], total=job["requests_total"],
                   shards_failed=job["shards_failed"], shards_total=job["shards_total"],
                   summary=(job.get("summary") or {}) | {"tokens_per_s": job.get("tokens_per_s")},
-                  output=job["output"])
+                  output=job["output"], openai_files=openai_files)
 
 
 def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:

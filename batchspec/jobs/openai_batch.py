@@ -268,6 +268,12 @@ def _read(fs, path: str) -> list[dict]:
         return pq.read_table(f).to_pylist()
 
 
+def output_paths(root: str) -> dict[str, str]:
+    """Where a job in `root` (output dir, path or URL) has its OpenAI Batch files."""
+    root = root.rstrip("/")
+    return {"output": f"{root}/openai/output.jsonl", "errors": f"{root}/openai/errors.jsonl"}
+
+
 def write_openai_files(fs, root: str, shards, *, job_id: str, model: str) -> dict:
     """OUT/openai/output.jsonl and OUT/openai/errors.jsonl from the shards' Parquet files,
     shard by shard in plan order (rows in their shard's order). Shards without an outputs
@@ -292,7 +298,7 @@ def write_openai_files(fs, root: str, shards, *, job_id: str, model: str) -> dic
             request = index.get(err["id"], {})
             line = request.get("line") or _line_of(err)
             errors.append(error_line(err, request, job_id=job_id, source_line=line))
-    paths = {"output": f"{root}/openai/output.jsonl", "errors": f"{root}/openai/errors.jsonl"}
+    paths = output_paths(root)
     for name, lines in (("output", answers), ("errors", errors)):
         write_atomic(fs, paths[name], "".join(json.dumps(x) + "\n" for x in lines).encode())
     return paths
