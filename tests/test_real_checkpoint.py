@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from batchspec import LLM, SamplingParams
-from batchspec.layers.sampler import filtered_probs
+from batchspec.spec.verify_torch import target_probs
 from batchspec.tools.convert import convert, convert_gguf
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,7 +126,7 @@ def test_sampled_ngram_speculation_is_exact(smol):
     def probs(ids):
         with torch.no_grad():
             logits = hf(torch.tensor([ids])).logits[0, -1:]
-        return filtered_probs(logits, torch.tensor([temperature]), [top_k], [1.0])[0]
+        return target_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]))[1][0]
 
     p1 = probs(prompt)
     joint = {}

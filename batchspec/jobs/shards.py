@@ -1,18 +1,21 @@
 """Input shards of a job (docs/design.md, "Data formats").
 
-Inputs are Parquet files named by local paths, globs or fsspec URLs (s3://, gs://, ... when
-the filesystem package is installed). A job is split into shards of at most `shard_size`
-rows that never span two files and follow row-group boundaries where they can, so a shard
-reads only the row groups it needs. Shard ids are positions in that plan: the same inputs
+Inputs are Parquet files, or OpenAI Batch request files (*.jsonl, jobs/openai_batch.py),
+named by local paths, globs or fsspec URLs (s3://, gs://, ... when the filesystem package
+is installed). A job is split into shards of at most `shard_size` rows that never span two
+files and follow row-group boundaries where they can, so a shard reads only the row groups
+it needs. Shard ids are positions in that plan: the same inputs
 and shard size always give the same ids, which is what makes re-running a job resume it."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from batchspec.jobs import openai_batch
 
 GLOB_CHARS = "*?["
 
@@ -24,6 +27,7 @@ class Shard:
     source: str      # short stable name of the file, used to generate missing row ids
     start: int       # first row (within the file)
     num_rows: int
+    duplicate_rows: tuple[int, ...] = ()   # rows (from start) whose id an earlier row has
 
     @property
     def id(self) -> str:
@@ -34,11 +38,16 @@ class Shard:
         return f"part-{self.index:05d}.parquet"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.duplicate_rows:
+            del d["duplicate_rows"]
+        else:
+            d["duplicate_rows"] = list(self.duplicate_rows)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Shard:
-        return cls(**d)
+        return cls(**{**d, "duplicate_rows": tuple(d.get("duplicate_rows", ()))})
 
 
 def _is_url(path: str) -> bool:
@@ -83,10 +92,13 @@ def _sources(files: list[str]) -> list[str]:
     """File names relative to the inputs' common folder, without .parquet: short, and
     distinct for distinct files."""
     if len(files) == 1:
-        return [os.path.basename(files[0]).removesuffix(".parquet")]
+        return [_stem(os.path.basename(files[0]))]
     common = os.path.commonpath([f.split("://", 1)[-1] for f in files])
-    return [os.path.relpath(f.split("://", 1)[-1], common).removesuffix(".parquet")
-            for f in files]
+    return [_stem(os.path.relpath(f.split("://", 1)[-1], common)) for f in files]
+
+
+def _stem(name: str) -> str:
+    return name.removesuffix(".parquet").removesuffix(".jsonl")
 
 
 def split_row_groups(row_group_sizes: list[int], shard_size: int) -> list[tuple[int, int]]:
@@ -115,6 +127,12 @@ def plan_shards(files: list[str], shard_size: int,
         raise ValueError("shard_size must be >= 1")
     shards: list[Shard] = []
     for path, source in zip(files, _sources(files), strict=True):
+        if openai_batch.is_openai_batch(path):  # OpenAI Batch requests: ranges of lines
+            if check_schema is not None:
+                check_schema(path, openai_batch.ROW_SCHEMA)
+            for start, num_rows in split_row_groups([openai_batch.count_rows(path)], shard_size):
+                shards.append(Shard(len(shards), path, source, start, num_rows))
+            continue
         pf = _open_parquet(path)
         if check_schema is not None:
             check_schema(path, pf.schema_arrow)
@@ -124,8 +142,13 @@ def plan_shards(files: list[str], shard_size: int,
     return shards
 
 
-def read_shard(shard: Shard) -> pa.Table:
-    """The shard's rows, reading only the row groups that hold them."""
+def read_shard(shard: Shard, columns: list[str] | None = None) -> pa.Table:
+    """The shard's rows (of `columns`, default all), reading only the row groups that hold
+    them."""
+    if openai_batch.is_openai_batch(shard.path):
+        table = openai_batch.read_rows(shard.path, shard.start, shard.num_rows, shard.source)
+        return table if columns is None else table.select(
+            [c for c in columns if c in table.column_names])
     pf = _open_parquet(shard.path)
     first = offset = 0
     groups = []
@@ -137,5 +160,47 @@ def read_shard(shard: Shard) -> pa.Table:
                 first = offset
             groups.append(i)
         offset += n
-    table = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
+    table = pf.read_row_groups(groups, columns=columns) if groups else \
+        pf.schema_arrow.empty_table()
     return table.slice(shard.start - first, shard.num_rows)
+
+
+def iter_column(path: str, name: str):
+    """(row, value) of one column of a file, row group by row group; a row group that
+    cannot be read is skipped (the shards that need it fail when they run)."""
+    if openai_batch.is_openai_batch(path):
+        yield from openai_batch.iter_column(path, name)
+        return
+    pf = _open_parquet(path)
+    if name not in pf.schema_arrow.names:
+        return
+    row = 0
+    for i in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(i).num_rows
+        try:
+            values = pf.read_row_group(i, columns=[name]).column(0).to_pylist()
+        except (OSError, ValueError, OverflowError, pa.ArrowException):
+            values = None
+        if values is not None:
+            yield from enumerate(values, row)
+        row += n
+
+
+def mark_duplicates(shards: list[Shard], key) -> list[Shard]:
+    """Shards with duplicate_rows set: rows whose key(shard, row, id value) an earlier row
+    of the job has (within the file or in an earlier file). Reads only the id columns."""
+    by_file: dict[str, list[Shard]] = {}
+    for s in shards:
+        by_file.setdefault(s.path, []).append(s)
+    seen: set[str] = set()
+    dups: dict[int, list[int]] = {}
+    for path, file_shards in by_file.items():
+        values = dict(iter_column(path, "id"))
+        for s in file_shards:
+            for i in range(s.num_rows):
+                k = key(s, i, values.get(s.start + i))
+                if k in seen:
+                    dups.setdefault(s.index, []).append(i)
+                seen.add(k)
+    return [replace(s, duplicate_rows=tuple(dups[s.index])) if s.index in dups else s
+            for s in shards]

@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 import yaml
 
 from batchspec.config import EngineConfig
+from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
 # Keys a job YAML may carry for the scheduler; not part of what a job runs.
 SCHEDULE_KEYS = ("schedule", "timezone")
+# parquet: OUT/{outputs,acceptance,errors}/; openai: those plus the OpenAI Batch output and
+# error files (jobs/openai_batch.py), written when the job finalizes.
+OUTPUT_FORMATS = ("parquet", "openai")
 
 
 @dataclass
@@ -27,7 +31,7 @@ class JobSpec:
     output: str
     model: str | None = None          # None: the bundled demo models (target + drafts)
     drafts: dict[str, str] = field(default_factory=dict)
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
     temperature: float = 0.0          # batch jobs default to greedy: reproducible outputs
     top_p: float = 1.0
@@ -36,7 +40,7 @@ class JobSpec:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
-    num_threads: int | None = None    # CPU intra-op threads; None: torch's default
+    num_threads: int | None = None    # CPU intra-op threads; None: EngineConfig's default
     shard_size: int = 1000
     template: str | None = None       # e.g. "Question: {question}\nContext: {context}"
     chat: bool = False                # wrap prompts as a user message, apply chat template
@@ -45,6 +49,7 @@ class JobSpec:
     adaptive_k: bool = False          # per step, the k with the most expected tokens/s
     prefix_caching: bool = True       # share the KV of identical prompt prefixes
     max_attempts: int = 3             # deliveries of a shard before it is marked failed
+    output_format: str = "parquet"    # openai: also OUT/openai/{output,errors}.jsonl
     name: str | None = None
     job_id: str | None = None
 
@@ -68,6 +73,9 @@ class JobSpec:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format must be one of {list(OUTPUT_FORMATS)}, "
+                             f"got {self.output_format!r}")
         if self.template is not None and not self.template.strip():
             raise ValueError("template is empty")
         self.sampling_params()
