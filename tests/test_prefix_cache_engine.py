@@ -68,3 +68,30 @@ def test_cached_draft_kv_is_valid(tiny_llama):
     rejection."""
     _, on = check_same(tiny_llama, {"default": tiny_llama}, 0.0, max_num_batched_tokens=16)
     assert all(o.stats["acceptance_rate"] == 1.0 for o in on)
+
+
+def test_job_summary_and_report_count_cached_prompt_tokens(tiny_llama, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchspec.jobs.runner import run_local
+    from batchspec.jobs.spec import JobSpec
+    from batchspec.report.analysis import analyze
+    from batchspec.report.command import render_text
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)],
+                             "q": [f"question number {i}?" for i in range(6)]}),
+                   tmp_path / "in.parquet")
+    template = "Answer the question below carefully and briefly. " * 6 + "Q: {q}\nA:"
+    docs = {}
+    for on in (False, True):
+        spec = JobSpec(inputs=[str(tmp_path / "in.parquet")], output=str(tmp_path / str(on)),
+                       model=tiny_llama, template=template, max_tokens=4,
+                       prefix_caching=on)
+        docs[on] = run_local(spec, progress=False)["summary"]
+    assert docs[True]["prompt_tokens"] == docs[False]["prompt_tokens"] > 0
+    assert docs[False]["cached_prompt_tokens"] == 0
+    assert docs[True]["cached_prompt_tokens"] > docs[True]["prompt_tokens"] / 2
+    report = analyze([str(tmp_path / "True")])
+    assert report["summary"]["cached_prompt_tokens"] == docs[True]["cached_prompt_tokens"]
+    assert report["summary"]["prompt_cache_hit_rate"] == docs[True]["prompt_cache_hit_rate"]
+    assert "prompt tokens from the prefix cache" in render_text(report)
