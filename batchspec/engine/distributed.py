@@ -54,7 +54,9 @@ def new_group(store, rank: int, size: int, device: str):
     if device.startswith("cuda"):
         from torch.distributed import ProcessGroupNCCL
         torch.cuda.set_device(device)
-        return ProcessGroupNCCL(store, rank, size)
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = COLLECTIVE_TIMEOUT
+        return ProcessGroupNCCL(store, rank, size, opts)
     from torch.distributed import ProcessGroupGloo
     opts = ProcessGroupGloo._Options()
     opts._timeout = COLLECTIVE_TIMEOUT
