@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
+
 NGRAM = "ngram"
 
 
@@ -41,11 +43,30 @@ def rank_devices(device: str, size: int) -> list[str]:
     return [f"cuda:{int(index or 0) + r}" for r in range(size)]
 
 
+def check_device(device: str) -> None:
+    """Raise ValueError, saying what to do, for a device this process cannot use."""
+    import re
+    if device in ("auto", "cpu"):
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    import torch
+    if not torch.cuda.is_available():
+        why = ("this torch build has no CUDA (torch " + torch.__version__ + ")"
+               if torch.version.cuda is None else "no CUDA device is visible")
+        raise ValueError(f"device {device!r} is not available: {why}; use --device cpu "
+                         f"(or auto)")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} "
+                         f"CUDA device(s) are visible")
+
+
 @dataclass
 class EngineConfig:
     model: str
     drafts: dict[str, str] = field(default_factory=dict)  # domain -> HF dir or "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
     device: str = "auto"              # auto | cpu | cuda | cuda:N; with tensor parallelism
                                       # one device per rank ("cuda:0,cuda:1"), or the first
@@ -58,7 +79,7 @@ class EngineConfig:
     # paged KV cache and batching
     block_size: int | None = None     # tokens per KV block; None: 16 (torch), 256 (flash)
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # None: 2 GiB on CPU, 90% of free memory on GPU
+    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -107,6 +128,8 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        for device in self.device.split(","):
+            check_device(device.strip())
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,11 +153,13 @@ class EngineConfig:
     def _set_rank_devices(self) -> None:
         """`device` as one device per tensor-parallel rank, comma-separated."""
         names = [d.strip() for d in self.device.split(",")]
-        size = self.tensor_parallel_size or len(names)
+        size = len(names) if self.tensor_parallel_size is None else self.tensor_parallel_size
         if size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if len(names) == 1:
             names = rank_devices(names[0], size)
+            for device in names[1:]:
+                check_device(device)
         if len(names) != size:
             raise ValueError(f"device lists {len(names)} devices for tensor_parallel_size "
                              f"{size}: give one device per rank")

@@ -39,6 +39,14 @@ class Request:
     domain: str | None = None
 
 
+class RequestError(ValueError):
+    """A prompt that cannot run; `kind` names why (the error_type of a job's error row)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 def request_seed(base_seed: int, request_id: str) -> int:
     """The seed of a request that gives none: from the LLM's (or job's) seed and the request
     id, so a request's tokens depend on neither its batch, its shard nor its position.

@@ -8,7 +8,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from batchspec.config import EngineConfig
-from batchspec.contract import acceptance_record
+from batchspec.contract import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    Request,
+    RequestError,
+    acceptance_record,
+)
 from batchspec.engine.engine import Engine
 from batchspec.engine.sequence import Sequence
 from batchspec.sampling import SamplingParams
@@ -24,12 +29,13 @@ class RequestOutput:
     domain: str | None = None
     draft: str | None = None      # the draft (path or "ngram") that served it; None: plain
     latency_s: float = 0.0        # from generate() receiving it to its last token
-    stats: dict = field(default_factory=dict)  # the acceptance record (DESIGN.md)
+    stats: dict = field(default_factory=dict)  # the acceptance record (batchspec.contract)
 
 
 class LLM:
     def __init__(self, model: str, drafts: dict[str, str] | None = None,
-                 num_speculative_tokens: int = 4, confidence_threshold: float = 0.0,
+                 num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+                 confidence_threshold: float = 0.0,
                  device: str = "auto", dtype: str = "auto", seed: int = 0, **kwargs):
         config = EngineConfig(model=model, drafts=drafts or {},
                               num_speculative_tokens=num_speculative_tokens,
@@ -54,10 +60,10 @@ class LLM:
     # ---- inputs ------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """str | list[int] | list[{"role", "content"}] -> token ids (chat template for
-        messages). Raises ValueError saying what is wrong with the prompt."""
+        messages). Raises RequestError saying what is wrong with the prompt."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("empty prompt")
+                raise RequestError("empty_prompt", "empty prompt")
             self._need_tokenizer()
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict)
@@ -65,9 +71,10 @@ class LLM:
             self._need_tokenizer()
             if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in prompt):
-                raise ValueError("messages need string 'role' and 'content'")
+                raise RequestError("invalid_prompt", "messages need string 'role' and 'content'")
             if getattr(self.tokenizer, "chat_template", None) is None:
-                raise ValueError("the model's tokenizer has no chat template for messages")
+                raise RequestError("invalid_prompt",
+                                   "the model's tokenizer has no chat template for messages")
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
                                                      tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -75,23 +82,43 @@ class LLM:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not
                                                     isinstance(t, bool) for t in prompt):
             if not prompt:
-                raise ValueError("empty prompt")
+                raise RequestError("empty_prompt", "empty prompt")
             return list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a list of "
-                         f"messages, got {type(prompt).__name__}")
+        raise RequestError("invalid_prompt", f"a prompt must be a string, a list of token ids "
+                                             f"or a list of messages, got {type(prompt).__name__}")
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
-            raise ValueError(f"model {self.config.model!r} has no tokenizer files: give "
-                             f"token-id prompts")
+            raise RequestError("invalid_prompt", f"model {self.config.model!r} has no tokenizer "
+                                                 f"files: give token-id prompts")
+
+    def make_request(self, prompt, params: SamplingParams, request_id: str,
+                     domain: str | None = None) -> Request:
+        """Encode and check one prompt: the one place a request is validated. Raises
+        RequestError (kind: empty_prompt, invalid_prompt, prompt_too_long)."""
+        ids = self.encode(prompt)
+        if not ids:
+            raise RequestError("empty_prompt", "prompt encodes to no tokens")
+        vocab = self.engine.target.cfg.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestError("invalid_prompt", f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError("prompt_too_long", f"prompt has {len(ids)} tokens; the context "
+                                                  f"holds {self.max_model_len} (prompt + at "
+                                                  f"least one generated token)")
+        return Request(str(request_id), ids, params, domain)
 
     # ---- generation --------------------------------------------------------------------
+    def add(self, requests: Seq[Request]) -> list[Sequence]:
+        """Queue made requests without running them; `step()` runs the engine and
+        `output(seq)` turns a finished sequence into a RequestOutput."""
+        return [self.engine.add_request(r) for r in requests]
+
     def add_requests(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
                      domains: Seq[str | None] | None = None,
                      request_ids: Seq[str] | None = None) -> list[Sequence]:
-        """Validate, encode and queue requests without running them; `step()` runs the
-        engine and `output(seq)` turns a finished sequence into a RequestOutput. Raises
-        ValueError (naming the prompt) before anything is queued."""
+        """Make and queue requests (see make_request). Raises ValueError (naming the prompt)
+        before anything is queued."""
         n = len(prompts)
         if params is None:
             params = SamplingParams()
@@ -100,17 +127,17 @@ class LLM:
         ids = [str(i) for i in range(n)] if request_ids is None else [str(r) for r in request_ids]
         if not (len(params) == len(domains) == len(ids) == n):
             raise ValueError("params, domains and request_ids must match prompts in length")
-        token_ids = []
-        for i, p in enumerate(prompts):
+        requests = []
+        for i, prompt in enumerate(prompts):
             try:
-                token_ids.append(self.encode(p))
-            except ValueError as e:
+                requests.append(self.make_request(prompt, params[i], ids[i], domains[i]))
+            except RequestError as e:
                 raise ValueError(f"prompt {i} ({ids[i]}): {e}") from None
-            if len(token_ids[-1]) >= self.max_model_len:
-                raise ValueError(f"prompt {i} ({ids[i]}) has {len(token_ids[-1])} tokens; the "
-                                 f"context holds {self.max_model_len}")
-        return [self.engine.add_request(t, p, r, d)
-                for t, p, r, d in zip(token_ids, params, ids, domains)]
+        return self.add(requests)
+
+    def has_waiting(self) -> bool:
+        """Whether queued requests are still waiting to be admitted to the batch."""
+        return bool(self.engine.scheduler.waiting)
 
     def step(self) -> tuple[list[Sequence], int]:
         """One engine step over everything queued: (sequences finished, tokens generated)."""

@@ -188,7 +188,9 @@ BS_HD void verify_request(const VerifyParams& P, int b, const Group& g) {
       const float px = ok ? prob(f, to_float(row[x]) * inv_t) : 0.f;
       const float qx = ok && P.draft_probs ? P.draft_probs[int64_t(start + a) * V + x] : 1.f;
       const float u = to_uniform(philox_keyed(seed, offset, uint32_t(a), kStreamAccept, 0).w[0]);
-      if (!(u * qx < px)) break;   // early exit at the first rejection
+      // q(x) = 0 (a draft the draft could not have sampled) is rejected, as an id outside
+      // [0, V) is (px = 0): docs/verification.md, "Malformed drafts".
+      if (!(qx > 0.f && u * qx < px)) break;   // early exit at the first rejection
     }
     const T* row = rows + int64_t(a) * V;
     const TokenUniforms u{seed, offset, uint32_t(a)};

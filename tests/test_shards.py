@@ -82,26 +82,23 @@ def tokenizer(tiny_llama):
     return AutoTokenizer.from_pretrained(tiny_llama)
 
 
-def encoder(tok):
-    def encode(prompt):
-        if isinstance(prompt, list):
-            return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                           return_dict=False)
-        return tok.encode(prompt)
-    return encode
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    from batchspec import LLM
+    return LLM(tiny_llama, device="cpu", max_model_len=1024, num_kv_blocks=80, max_num_seqs=4)
 
 
-def prepare(table, tok, **kw):
+def prepare(table, llm, **kw):
     shard = Shard(0, "/data/in.parquet", "in", 10, len(table))
     kw = {"sampling": {"temperature": 0.5, "top_p": 1.0, "top_k": 0, "max_tokens": 8},
-          "seed": 7, "encode": encoder(tok), "max_model_len": 1024} | kw
+          "make_request": llm.make_request} | kw
     return prepare_requests(table, shard, **kw)
 
 
-def test_bad_rows_become_errors_with_reasons(tmp_path, tokenizer):
+def test_bad_rows_become_errors_with_reasons(tmp_path, tokenizer, llm):
     bad = pq.read_table(make_inputs(tmp_path)[2])
-    requests, errors = prepare(bad, tokenizer)
-    assert [r.id for r in requests] == ["bad-ok1", "bad-ok2"]
+    requests, errors = prepare(bad, llm)
+    assert [r.request_id for r in requests] == ["bad-ok1", "bad-ok2"]
     assert {e["id"]: e["error_type"] for e in errors} == BAD_ROWS
     messages = {e["id"]: e["message"] for e in errors}
     assert "temperature" in messages["bad-temp"] and "max_tokens" in messages["bad-max"]
@@ -111,40 +108,43 @@ def test_bad_rows_become_errors_with_reasons(tmp_path, tokenizer):
     assert ok2.prompt_token_ids == tokenizer.encode("return value")
 
 
-def test_wrong_types_and_overrides(tokenizer):
+def test_wrong_types_and_overrides(tokenizer, llm):
     table = pa.table({"prompt": [1, 2], "top_k": [3.5, 1.0]})
-    _, errors = prepare(table, tokenizer)
+    _, errors = prepare(table, llm)
     assert [e["error_type"] for e in errors] == ["invalid_override", "invalid_prompt"]
     table = pa.table({"prompt": ["a", "b"], "seed": [None, 5], "top_k": [None, 2.0],
                       "domain": ["code", None]})
-    requests, errors = prepare(table, tokenizer)
+    requests, errors = prepare(table, llm)
     assert not errors
     assert requests[0].params.seed is None and requests[0].domain == "code"  # engine derives it
     assert requests[1].params.seed == 5 and requests[1].params.top_k == 2
 
 
-def test_generated_ids_and_seeds_are_stable(tokenizer):
+def test_generated_ids_and_seeds_are_stable(tokenizer, llm):
     table = pa.table({"prompt": ["a", "b", "c"], "id": [None, "given", ""]})
-    requests, _ = prepare(table, tokenizer)
-    assert [r.id for r in requests] == ["in:10", "given", "in:12"]
-    assert row_ids(table, Shard(0, "/data/in.parquet", "in", 10, 3)) == [r.id for r in requests]
+    requests, _ = prepare(table, llm)
+    assert [r.request_id for r in requests] == ["in:10", "given", "in:12"]
+    assert row_ids(table, Shard(0, "/data/in.parquet", "in", 10, 3)) == \
+        [r.request_id for r in requests]
     assert request_seed(7, "in:10") == request_seed(7, "in:10") != request_seed(8, "in:10")
 
 
-def test_duplicate_ids(tokenizer):
+def test_duplicate_ids(tokenizer, llm):
     requests, errors = prepare(pa.table({"id": ["x", "y", "x"], "prompt": ["a", "b", "c"]}),
-                               tokenizer)
-    assert [r.id for r in requests] == ["x", "y"]
+                               llm)
+    assert [r.request_id for r in requests] == ["x", "y"]
     assert [(e["id"], e["error_type"]) for e in errors] == [("x", "duplicate_id")]
 
 
-def test_template_and_chat(tokenizer):
+def test_template_and_chat(tokenizer, llm):
     table = pa.table({"question": ["Why?", None], "context": ["Because.", "x"]})
-    requests, errors = prepare(table, tokenizer, template="Q: {question}\nC: {context}\nA:")
+    requests, errors = prepare(table, llm, template="Q: {question}\nC: {context}\nA:")
     assert requests[0].prompt_token_ids == tokenizer.encode("Q: Why?\nC: Because.\nA:")
     assert errors[0]["error_type"] == "missing_field"
-    requests, _ = prepare(pa.table({"prompt": ["hi"]}), tokenizer, chat=True)
-    assert requests[0].prompt_token_ids == encoder(tokenizer)([{"role": "user", "content": "hi"}])
+    requests, _ = prepare(pa.table({"prompt": ["hi"]}), llm, chat=True)
+    assert requests[0].prompt_token_ids == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
 
 
 def test_write_atomic_replaces_whole_and_leaves_no_temp(tmp_path):

@@ -9,17 +9,16 @@ import time
 import torch
 
 from batchspec.config import NGRAM, EngineConfig
-from batchspec.contract import request_seed
+from batchspec.contract import Request, request_seed
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.distributed import make_target_runner
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
 from batchspec.models.loader import load_tokenizer
-from batchspec.sampling import SamplingParams
 from batchspec.spec.policy import SpecPolicy, StepCosts
-from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
-from batchspec.spec.verify import rejection_sample
+from batchspec.spec.proposer import DraftModelProposer, NgramProposer
+from batchspec.spec.verify import VerifyMetadata, verify
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 1.0
@@ -117,13 +116,8 @@ class Engine:
         """Load (on first use: build) the verification op now, so that no timed step pays
         for it."""
         dev = self.target.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        rejection_sample(torch.zeros(1, self.target.cfg.vocab_size, device=dev), None,
-                         torch.zeros(0, dtype=torch.int64, device=dev),
-                         torch.zeros(2, **i32), torch.zeros(1, device=dev),
-                         torch.zeros(1, dtype=torch.int64, device=dev),
-                         torch.zeros(1, dtype=torch.int64, device=dev),
-                         backend=self.config.verify_backend)
+        verify(torch.zeros(1, self.target.cfg.vocab_size, device=dev),
+               VerifyMetadata.dummy(dev), self.config.verify_backend)
 
     def _set_threads(self) -> None:
         """CPU intra-op threads: as configured; by default one for small models, whose
@@ -166,21 +160,17 @@ class Engine:
         self.target.close()
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, domain: str | None = None) -> Sequence:
-        if not prompt_token_ids:
-            raise ValueError("empty prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context holds "
-                             f"{self.max_model_len} (prompt + at least one generated token)")
-        vocab = self.target.cfg.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        rid = str(self._next_id) if request_id is None else str(request_id)
-        seed = params.seed if params.seed is not None else request_seed(self.config.seed, rid)
-        seq = Sequence(self._next_id, rid, prompt_token_ids, params, seed, domain)
+    def add_request(self, request: Request) -> Sequence:
+        """Queue a request made (and checked) by LLM.make_request. A request without a seed
+        gets request_seed(config.seed, request_id)."""
+        ids = request.prompt_token_ids
+        assert ids and len(ids) < self.max_model_len, "LLM.make_request checks prompts"
+        params = request.params
+        seed = params.seed if params.seed is not None else \
+            request_seed(self.config.seed, request.request_id)
+        seq = Sequence(self._next_id, request.request_id, ids, params, seed, request.domain)
         self._next_id += 1
-        seq.spec.draft = self.policy.draft_for(domain, params.temperature)
+        seq.spec.draft = self.policy.draft_for(request.domain, params.temperature)
         self.scheduler.add(seq)
         return seq
 
@@ -202,23 +192,23 @@ class Engine:
         sampling = [s for s in scheduled if s.is_sampling]
         t0 = time.perf_counter()
         self._step_k = None
-        proposals = self.propose(sampling)
-        logits = self.target.forward(
-            [s.seq.token_ids[s.seq.num_computed_tokens:][:s.num_new_tokens]
-             + (proposals[id(s)].token_ids if id(s) in proposals else []) for s in scheduled],
-            [s.seq.num_computed_tokens for s in scheduled],
-            [s.seq.block_table for s in scheduled],
-            [1 + len(proposals[id(s)].token_ids) if id(s) in proposals else int(s.is_sampling)
-             for s in scheduled])
-        out_ids, num_accepted = self.verify(sampling, proposals, logits)
-        result = self.commit(scheduled, proposals, out_ids, num_accepted)
+        self.propose(sampling)
+        # Every row's uncomputed tokens then its drafts; a sampling row gets 1 + n_i logits.
+        logits = self.target.forward([s.input_token_ids for s in scheduled],
+                                     [s.seq.num_computed_tokens for s in scheduled],
+                                     [s.seq.block_table for s in scheduled],
+                                     [int(s.is_sampling) + s.num_drafts for s in scheduled])
+        out_ids, num_accepted = verify(logits, self._verify_metadata(sampling, logits),
+                                       self.config.verify_backend)
+        result = self.commit(scheduled, out_ids.tolist(), num_accepted.tolist())
         if self._step_k is not None and all(s.num_new_tokens == 1 for s in scheduled):
             # decode-only steps: the prediction has no term for prefill chunks
             self.policy.observe(self._step_k, time.perf_counter() - t0)
         return result
 
-    def propose(self, sampling: list[ScheduledSeq]) -> dict[int, Proposal]:
-        """Draft tokens for decode rows allowed to speculate, grouped by draft."""
+    def propose(self, sampling: list[ScheduledSeq]) -> None:
+        """Draft tokens for decode rows allowed to speculate, grouped by draft; each row's
+        proposal lands on it."""
         groups: dict[str, list[ScheduledSeq]] = {}
         for s in sampling:
             if s.max_drafts > 0:
@@ -232,64 +222,60 @@ class Engine:
                 for s in rows:
                     s.max_drafts = min(s.max_drafts, k)
             if k == 0:
-                return {}
-        proposals = {}
+                return
         for name, rows in groups.items():
             props = self.proposers[name].propose([(s.seq, s.max_drafts) for s in rows])
-            for s, p in zip(rows, props):
-                proposals[id(s)] = p
-        return proposals
+            for s, p in zip(rows, props, strict=True):
+                s.proposal = p
 
-    def verify(self, sampling, proposals, logits):
-        drafts = [proposals.get(id(s)) for s in sampling]
-        n = [len(p.token_ids) if p else 0 for p in drafts]
+    def _verify_metadata(self, sampling: list[ScheduledSeq], logits) -> VerifyMetadata:
+        dev = logits.device
         cu = [0]
-        for x in n:
-            cu.append(cu[-1] + x)
+        for s in sampling:
+            cu.append(cu[-1] + s.num_drafts)
         params = [s.seq.params for s in sampling]
-        draft_ids = [t for p in drafts if p for t in p.token_ids]
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         draft_probs = None
         if cu[-1] and bool((temps > 0).any()):
             V = logits.shape[-1]
-            rows = []
-            for p in drafts:
-                if p and p.token_ids:
-                    rows.append(p.probs if p.probs is not None else torch.nn.functional.one_hot(
-                        torch.tensor(p.token_ids), V).float())
-            draft_probs = torch.cat(rows).to(logits.device)
-        dev = logits.device
+            draft_probs = torch.cat([
+                s.proposal.probs if s.proposal.probs is not None else
+                torch.nn.functional.one_hot(torch.tensor(s.proposal.token_ids), V).float()
+                for s in sampling if s.num_drafts]).to(dev)
         top_k = top_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32, device=dev)
+        if any(p.top_k > 0 for p in params):   # top_k >= V keeps every token (and fits int32)
+            top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params],
+                                 dtype=torch.int32, device=dev)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        return rejection_sample(
-            logits, draft_probs, torch.tensor(draft_ids, dtype=torch.int64, device=dev),
-            torch.tensor(cu, dtype=torch.int32, device=dev), temps.to(dev),
-            torch.tensor([s.seq.seed for s in sampling], dtype=torch.int64, device=dev),
-            torch.tensor([s.seq.num_output_tokens for s in sampling], dtype=torch.int64,
-                         device=dev),
-            top_k=top_k, top_p=top_p, backend=self.config.verify_backend)
+        return VerifyMetadata(
+            draft_token_ids=torch.tensor([t for s in sampling if s.proposal
+                                          for t in s.proposal.token_ids],
+                                         dtype=torch.int64, device=dev),
+            cu_num_draft=torch.tensor(cu, dtype=torch.int32, device=dev),
+            temperature=temps.to(dev),
+            seeds=torch.tensor([s.seq.seed for s in sampling], dtype=torch.int64, device=dev),
+            offsets=torch.tensor([s.seq.num_output_tokens for s in sampling],
+                                 dtype=torch.int64, device=dev),
+            draft_probs=draft_probs, top_k=top_k, top_p=top_p)
 
-    def commit(self, scheduled, proposals, out_ids, num_accepted):
-        out_ids = out_ids.tolist()
-        num_accepted = num_accepted.tolist()
+    def commit(self, scheduled: list[ScheduledSeq], out_ids: list[list[int]],
+               num_accepted: list[int]) -> tuple[list[Sequence], int]:
+        """Append each sampling row's accepted drafts and next token (b-th sampling row: row
+        b of out_ids), roll back the KV of rejected drafts, record the round, check stops."""
         finished, num_tokens, b = [], 0, 0
         for s in scheduled:
             seq = s.seq
             if not s.is_sampling:
                 self.scheduler.commit(seq, s.num_new_tokens, [])
                 continue
-            prop = proposals.get(id(s))
-            n_drafted = len(prop.token_ids) if prop else 0
             m = num_accepted[b]
             new = out_ids[b][:m + 1]
             b += 1
             if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
-                seq.record_round(n_drafted, m)
-                self.policy.record(seq, n_drafted, m)
-                if prop is not None and prop.stopped_by_confidence:
+                seq.record_round(s.num_drafts, m)
+                self.policy.record(seq, s.num_drafts, m)
+                if s.proposal is not None and s.proposal.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
                 self.policy.update_fallback(seq)
             new, reason = self._check_stop(seq, new)

@@ -11,9 +11,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from batchspec.spec.proposer import Proposal
 
 
 @dataclass
@@ -21,6 +25,18 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int      # tokens computed this step, from seq.num_computed_tokens on
     max_drafts: int          # draft tokens this row may append for verification (0: none)
+    proposal: Proposal | None = None   # the drafts appended this step (set by the engine)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.proposal.token_ids) if self.proposal is not None else 0
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """Tokens the target computes this step: the uncomputed chunk, then the drafts."""
+        start = self.seq.num_computed_tokens
+        chunk = self.seq.token_ids[start:start + self.num_new_tokens]
+        return chunk + self.proposal.token_ids if self.proposal is not None else chunk
 
     @property
     def is_sampling(self) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from batchspec.config import EngineConfig
+from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
@@ -27,7 +28,7 @@ class JobSpec:
     output: str
     model: str | None = None          # None: the bundled demo models (target + drafts)
     drafts: dict[str, str] = field(default_factory=dict)
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
     temperature: float = 0.0          # batch jobs default to greedy: reproducible outputs
     top_p: float = 1.0
@@ -37,7 +38,7 @@ class JobSpec:
     device: str = "auto"
     tensor_parallel_size: int | None = None  # None: one rank per device listed in `device`
     dtype: str = "auto"
-    num_threads: int | None = None    # CPU intra-op threads; None: torch's default
+    num_threads: int | None = None    # CPU intra-op threads; None: EngineConfig's default
     shard_size: int = 1000
     template: str | None = None       # e.g. "Question: {question}\nContext: {context}"
     chat: bool = False                # wrap prompts as a user message, apply chat template

@@ -1,5 +1,5 @@
 """Acceptance analysis: lazy Polars queries over the per-request acceptance records that jobs
-write to OUT/acceptance/part-*.parquet (DESIGN.md "Data formats").
+write to OUT/acceptance/part-*.parquet (docs/design.md, "Data formats").
 
 Two rates, both pooled over records (long requests weigh more than short ones):
   acceptance_rate (α)      total accepted / total drafted; the number people tune by.

@@ -1,4 +1,4 @@
-"""Where acceptance records are: the acceptance/ parquet files of job output dirs (DESIGN.md
+"""Where acceptance records are: the acceptance/ parquet files of job output dirs (docs/design.md,
 "Data formats"), found under dirs, files and globs, and scanned lazily as one Polars frame."""
 from __future__ import annotations
 

@@ -5,11 +5,13 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
         plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp)
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
-directory per torch version; torch rebuilds when a source changes.
+directory per torch version and hash of the kernel sources, so checkouts with different
+sources never rebuild each other's builds. A first build says so on stderr (it takes ~15 s).
 `python -m batchspec.spec._build [--cuda]` builds ahead of time (e.g. in a Docker image).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -33,6 +35,15 @@ def kernel_dir() -> Path:
 def cache_dir() -> Path:
     root = os.environ.get("BATCHSPEC_CACHE") or os.path.join(Path.home(), ".cache", "batchspec")
     return Path(root) / "kernels"
+
+
+def sources_hash() -> str:
+    """Hash of every file in kernels/ (sources and headers)."""
+    h = hashlib.sha256()
+    for path in sorted(kernel_dir().iterdir()):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def load(cuda: bool = False):
@@ -60,8 +71,12 @@ def _compile(cuda: bool) -> None:
         raise RuntimeError("CUDA build needs a CUDA build of torch and nvcc (CUDA_HOME)")
     src = kernel_dir()
     flavour = "cuda" if cuda else "cpu"
-    build = cache_dir() / re.sub(r"[^\w.]+", "_", f"torch{torch.__version__}-{flavour}")
+    build = cache_dir() / re.sub(r"[^\w.]+", "_",
+                                 f"torch{torch.__version__}-{flavour}-{sources_hash()}")
     build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        print(f"batchspec: building the {flavour.upper()} verification kernel (first run, "
+              f"~15 s; cached in {build})...", file=sys.stderr, flush=True)
     sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else
                                                [str(src / "paged_attention_cpu.cpp")])
     cflags = ["-O3", f"-DBS_NS={NAMESPACE[cuda]}"] + (["-DBS_WITH_CUDA"] if cuda else [])

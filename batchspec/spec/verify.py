@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from batchspec.spec import _build
 from batchspec.spec.verify_torch import filter_logits, rejection_sample_torch, target_probs
 
-__all__ = ["rejection_sample", "resolve_backend", "filter_logits", "target_probs",
-           "rejection_sample_torch", "BACKENDS"]
+__all__ = ["rejection_sample", "verify", "VerifyMetadata", "resolve_backend", "filter_logits",
+           "target_probs", "rejection_sample_torch", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 _warned = False
@@ -107,3 +108,32 @@ def uniform(seeds: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor,
         return _build.load(cuda=False).uniform(seeds, offsets, positions, stream, 0)
     from batchspec.spec.rng import uniform as uniform_torch
     return uniform_torch(seeds, offsets, positions, stream)
+
+
+@dataclass
+class VerifyMetadata:
+    """What the verification op needs besides the target logits, for B requests with N
+    drafts in all (shapes as in rejection_sample)."""
+    draft_token_ids: torch.Tensor          # [N] int64
+    cu_num_draft: torch.Tensor             # [B+1] int32
+    temperature: torch.Tensor              # [B] fp32, 0: greedy
+    seeds: torch.Tensor                    # [B] int64
+    offsets: torch.Tensor                  # [B] int64: tokens the request has emitted so far
+    draft_probs: torch.Tensor | None = None    # [N, V] fp32; None: one-hot drafts
+    top_k: torch.Tensor | None = None      # [B] int32 (0: off); None: off for every row
+    top_p: torch.Tensor | None = None      # [B] fp32 (1: off); None: off for every row
+
+    @classmethod
+    def dummy(cls, device: torch.device | str = "cpu") -> VerifyMetadata:
+        """One greedy request without drafts: for warming the op up (a first call builds
+        or loads the kernel)."""
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.zeros(0, **i64), torch.zeros(2, dtype=torch.int32, device=device),
+                   torch.zeros(1, device=device), torch.zeros(1, **i64), torch.zeros(1, **i64))
+
+
+def verify(target_logits: torch.Tensor, meta: VerifyMetadata, backend: str = "auto"):
+    """rejection_sample over the inputs in `meta`: (output_token_ids, num_accepted)."""
+    return rejection_sample(target_logits, meta.draft_probs, meta.draft_token_ids,
+                            meta.cu_num_draft, meta.temperature, meta.seeds, meta.offsets,
+                            top_k=meta.top_k, top_p=meta.top_p, backend=backend)

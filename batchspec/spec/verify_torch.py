@@ -59,6 +59,10 @@ def rejection_sample_torch(target_logits, draft_probs, draft_token_ids, cu_num_d
     pos = torch.arange(R, device=dev) - first_row[req]                      # [N+B] j in window
     is_draft = pos < num_draft[req]                                          # N rows, in order
     rd, jd, x = req[is_draft], pos[is_draft], draft_token_ids.to(dev, torch.int64)   # [N]
+    # A draft id outside [0, V) (a placeholder such as -1) is never accepted, nor is one the
+    # draft gave probability 0: docs/verification.md, "Malformed drafts".
+    valid = (x >= 0) & (x < V)
+    x = torch.where(valid, x, 0)
     pick = lambda t: None if t is None else t.to(dev)[req]                  # noqa: E731
     z, p = target_probs(target_logits, temperature.to(dev)[req], pick(top_k), pick(top_p))
     argmax = target_logits.float().argmax(-1)                               # [N+B] greedy target
@@ -70,7 +74,7 @@ def rejection_sample_torch(target_logits, draft_probs, draft_token_ids, cu_num_d
     q_x = torch.ones_like(p_x) if draft_probs is None else \
         draft_probs.gather(1, x[:, None])[:, 0].float()
     u = uniform(seeds.to(dev)[rd], offsets.to(dev)[rd], jd, STREAM_ACCEPT)
-    accept = torch.where(greedy[rd], x == argmax[is_draft], u * q_x < p_x)  # [N]
+    accept = valid & torch.where(greedy[rd], x == argmax[is_draft], (q_x > 0) & (u * q_x < p_x))
     run = torch.zeros(B, max_n, dtype=torch.int64, device=dev)
     run[rd, jd] = accept.long()
     num_accepted = run.cumprod(1).sum(1)                                     # [B] leading accepts
@@ -83,7 +87,8 @@ def rejection_sample_torch(target_logits, draft_probs, draft_token_ids, cu_num_d
     if N == 0:
         q = torch.zeros(B, V, device=dev)
     else:
-        q = F.one_hot(x[d], V).float() if draft_probs is None else draft_probs[d].float()
+        q = draft_probs[d].float() if draft_probs is not None else \
+            F.one_hot(x[d], V).float() * valid[d, None]             # an invalid id has no q
     resid = torch.where(rejected[:, None], (p[emit] - q).clamp(min=0), 0.0)   # [B, V]
     s, o = seeds.to(dev), offsets.to(dev)
     token = argmax[emit]                                                     # [B] greedy rows
@@ -95,6 +100,6 @@ def rejection_sample_torch(target_logits, draft_probs, draft_token_ids, cu_num_d
 
     out = torch.full((B, max_n + 1), -1, dtype=torch.int32, device=dev)
     kept = jd < a[rd]
-    out[rd[kept], jd[kept]] = x[kept].int()
+    out[rd[kept], jd[kept]] = x[kept].int()                                 # valid ids only
     out[torch.arange(B, device=dev), a] = token.int()
     return out, num_accepted.int()

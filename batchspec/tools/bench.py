@@ -21,6 +21,7 @@ from functools import partial
 import click
 import torch
 
+from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.tools import hfref
 from batchspec.tools.evaluate import load_prompts
 
@@ -132,7 +133,7 @@ def print_table(rows):
 @click.option("--batch-sizes", default="1,32", show_default=True, callback=_csv(int))
 @click.option("--temperatures", default="0,0.8", show_default=True, callback=_csv(float))
 @click.option("--methods", default=",".join(METHODS), show_default=True, callback=_csv(str))
-@click.option("--k", type=int, default=4, show_default=True, help="Draft tokens per round.")
+@click.option("--k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, show_default=True, help="Draft tokens per round.")
 @click.option("--confidence-threshold", "threshold", type=float, default=0.0,
               show_default=True, help="batchspec drafts stop below this draft probability.")
 @click.option("--repeats", type=int, default=1, show_default=True,

@@ -14,6 +14,7 @@ import sys
 import click
 
 from batchspec import contract
+from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.tools import hfref
 
 
@@ -91,7 +92,7 @@ def summarize(records: list[dict]) -> dict:
 
 
 def evaluate_pair(target: str, draft: str, prompts: list[dict], *, temperatures=(0.0,),
-                  k: int = 4, max_tokens: int = 64, seed: int = 0,
+                  k: int = DEFAULT_NUM_SPECULATIVE_TOKENS, max_tokens: int = 64, seed: int = 0,
                   backend: str = "transformers", dtype: str = "auto") -> dict:
     """α of the pair over prompts at each temperature: overall, by domain, by temperature.
     dtype "auto" is what the engine picks for the target on this CPU (both backends use it:
@@ -131,7 +132,7 @@ def print_report(result: dict, file=sys.stdout):
 @click.option("--num-prompts", type=int, help="Use at most this many prompts.")
 @click.option("--temperature", "temperatures", type=float, multiple=True, default=[0.0],
               show_default=True, help="Repeat for several temperatures.")
-@click.option("--k", type=int, default=4, show_default=True, help="Draft tokens per round.")
+@click.option("--k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, show_default=True, help="Draft tokens per round.")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--min-acceptance", type=float, help="Exit with status 1 when overall α is below.")
 @click.option("--backend", type=click.Choice(["auto", "engine", "transformers"]),
