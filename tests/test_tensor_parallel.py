@@ -21,6 +21,7 @@ import torch
 
 from batchspec import LLM, SamplingParams
 from batchspec.config import EngineConfig
+from batchspec.jobs.spec import JobSpec
 from tests.fixtures_redis import wait_until
 from tests.jobdata import make_inputs, read_dir
 
@@ -170,6 +171,15 @@ def test_cancel_then_generate_again_then_close(tiny_llama):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
+def test_a_rank_that_dies_is_reported_and_closes_the_engine(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", tensor_parallel_size=2)
+    [pid] = llm.engine.target.rank_pids
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 stopped during forward"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.closed
+
+
 def test_devices_and_sizes(tiny_llama, model_factory):
     c = EngineConfig(tiny_llama, device="cpu,cpu")
     assert c.tensor_parallel_size == 2 and c.devices == ["cpu", "cpu"]
@@ -178,6 +188,15 @@ def test_devices_and_sizes(tiny_llama, model_factory):
         EngineConfig(tiny_llama, device="cpu,cpu", tensor_parallel_size=4)
     with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
         EngineConfig(tiny_llama, device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
+        # checked when a job is submitted
+        JobSpec(inputs=["x.parquet"], output="out", model=tiny_llama, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
+        JobSpec(inputs=["x.parquet"], output="out", model=tiny_llama, device="cuda:0,cuda:1,"
+                "cuda:2")
+    spec = JobSpec(inputs=["x.parquet"], output="out", model=tiny_llama, tensor_parallel_size=2)
+    assert spec.engine_config(device="cpu").devices == ["cpu", "cpu"]
+    assert spec.engine_config(device="cpu,cpu,cpu,cpu").tensor_parallel_size == 4  # a worker's
     with pytest.raises(ValueError, match="must divide one another"):
         EngineConfig(model_factory("llama", seed=3, hidden_size=48, num_heads=6, num_kv_heads=3,
                                    tokenizer=False), device="cpu", tensor_parallel_size=2)

@@ -99,6 +99,10 @@ class TensorParallelRunner(ModelRunner):
         """Process ids of ranks 1..N-1."""
         return [p.pid for p in self._procs]
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def _wait_for(self, stage: str) -> None:
         """Until every rank has reached `stage`; raises the error of a rank that exited."""
         keys = [f"{stage}/{r}" for r in range(1, len(self._procs) + 1)]
@@ -122,14 +126,19 @@ class TensorParallelRunner(ModelRunner):
 
     def _call(self, method: str, *args):
         """Run `method` on every rank; rank 0's result."""
-        if not self._finalizer.alive:
+        if self.closed:
             raise RuntimeError("the tensor-parallel target was closed")
         try:
             for conn in self._conns:
                 conn.send((method, args))
             return getattr(super(), method)(*args)
         except BaseException as e:
-            # The ranks may be waiting in a collective rank 0 never reaches: stop them all.
+            # The ranks may be waiting in a collective rank 0 never reaches: stop them all,
+            # reporting first a rank that died (a moment's grace for it to be reaped).
+            deadline = time.monotonic() + 1.0
+            while isinstance(e, Exception) and time.monotonic() < deadline and \
+                    all(p.poll() is None for p in self._procs):
+                time.sleep(0.02)
             try:
                 self._check_ranks(f"during {method}")
             finally:

@@ -159,6 +159,12 @@ class Engine:
         Garbage collection does the same."""
         self.target.close()
 
+    @property
+    def closed(self) -> bool:
+        """Closed, or broken: a tensor-parallel target closes itself when a step fails
+        mid-way (its ranks may have stopped at different points)."""
+        return self.target.closed
+
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
         """Queue a request made (and checked) by LLM.make_request. A request without a seed

@@ -59,6 +59,8 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
 
+    closed = False   # a tensor-parallel runner closes for good on a failed call
+
     def close(self) -> None:
         """Release what outlives the object's references (nothing here; see
         distributed.TensorParallelRunner)."""
