@@ -91,7 +91,11 @@ class TensorParallelRunner(ModelRunner):
             self._conns.append(Connection(write_fd, readable=False))
         self._wait_for("joined")
         tp = TensorParallel(0, size, new_group(store, 0, size, devices[0]))
-        super().__init__(path, devices[0], dtype, attention_backend, tp)
+        try:
+            super().__init__(path, devices[0], dtype, attention_backend, tp)
+        except BaseException:
+            self._kill()
+            raise
         self._wait_for("loaded")
 
     @property
@@ -108,21 +112,23 @@ class TensorParallelRunner(ModelRunner):
         keys = [f"{stage}/{r}" for r in range(1, len(self._procs) + 1)]
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._store.check(keys):
-            self._check_ranks(f"before it {stage}")
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"tensor-parallel ranks did not start within "
-                                   f"{START_TIMEOUT_S} s")
+            failure = self._rank_failure(f"before it {stage}")
+            if failure or time.monotonic() > deadline:
+                self._kill()
+                raise RuntimeError(failure or f"tensor-parallel ranks did not start within "
+                                              f"{START_TIMEOUT_S} s")
             time.sleep(0.02)
 
-    def _check_ranks(self, when: str) -> None:
+    def _rank_failure(self, when: str) -> str | None:
+        """What stopped the first rank that exited (the error it wrote, else its exit code);
+        None while every rank runs."""
         for rank, proc in enumerate(self._procs, start=1):
             if proc.poll() is not None:
                 key = f"error/{rank}"
                 error = self._store.get(key).decode() if self._store.check([key]) else \
                     f"exit code {proc.returncode}"
-                self.close()
-                raise RuntimeError(f"tensor-parallel rank {rank} stopped {when}: {error}")
+                return f"tensor-parallel rank {rank} stopped {when}: {error}"
+        return None
 
     def _call(self, method: str, *args):
         """Run `method` on every rank; rank 0's result."""
@@ -133,19 +139,25 @@ class TensorParallelRunner(ModelRunner):
                 conn.send((method, args))
             return getattr(super(), method)(*args)
         except BaseException as e:
-            # The ranks may be waiting in a collective rank 0 never reaches: stop them all,
-            # reporting first a rank that died (a moment's grace for it to be reaped).
+            # Report a rank that died first (a moment's grace for it to be reaped), then stop
+            # them all at once: they may be waiting in a collective rank 0 will not reach.
             deadline = time.monotonic() + 1.0
             while isinstance(e, Exception) and time.monotonic() < deadline and \
                     all(p.poll() is None for p in self._procs):
                 time.sleep(0.02)
-            try:
-                self._check_ranks(f"during {method}")
-            finally:
-                self.close()
+            failure = self._rank_failure(f"during {method}")
+            self._kill()
+            if failure:
+                raise RuntimeError(failure) from e
             if isinstance(e, Exception):
                 raise RuntimeError(f"tensor-parallel {method} failed: {e}") from e
             raise
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        self.close()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         for conn in self._conns:  # the ranks use as many threads as rank 0 ends up with
