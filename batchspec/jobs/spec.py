@@ -20,6 +20,9 @@ from batchspec.sampling import SamplingParams
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
 # Keys a job YAML may carry for the scheduler; not part of what a job runs.
 SCHEDULE_KEYS = ("schedule", "timezone")
+# parquet: OUT/{outputs,acceptance,errors}/; openai: those plus the OpenAI Batch output and
+# error files (jobs/openai_batch.py), written when the job finalizes.
+OUTPUT_FORMATS = ("parquet", "openai")
 
 
 @dataclass
@@ -46,6 +49,7 @@ class JobSpec:
     max_spec_temperature: float | None = None
     adaptive_k: bool = False          # per step, the k with the most expected tokens/s
     max_attempts: int = 3             # deliveries of a shard before it is marked failed
+    output_format: str = "parquet"    # openai: also OUT/openai/{output,errors}.jsonl
     name: str | None = None
     job_id: str | None = None
 
@@ -69,6 +73,9 @@ class JobSpec:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format must be one of {list(OUTPUT_FORMATS)}, "
+                             f"got {self.output_format!r}")
         if self.template is not None and not self.template.strip():
             raise ValueError("template is empty")
         self.sampling_params()
