@@ -1,8 +1,10 @@
 """Tensor parallelism of the target on CPU (gloo): TP=2 gives the greedy tokens of TP=1 on
 every architecture (GQA with 2 and 1 KV heads, tied embeddings, a vocabulary the ranks split
-unevenly), speculative decoding with TP=2 gives those of plain TP=2, and the rank processes
-end with the engine: on close, on garbage collection, and when rank 0's process (or its
-whole process group) is killed with SIGKILL.
+unevenly), speculative decoding with TP=2 gives those of plain TP=2, `batchspec run` and a
+Celery worker owning two devices give the outputs of TP=1, and the rank processes end with
+the engine: on close, on garbage collection, at the end of a run, and when rank 0's process
+(or its whole process group, or a worker's pool child) is killed with SIGKILL. A rank that
+dies is reported by name and closes the engine.
 
 The random models use a wide init (std 0.1), as tests/test_models.py does, so that greedy
 choices are well separated: TP sums a row-parallel product in another order than one matmul,
