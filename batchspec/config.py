@@ -138,7 +138,7 @@ class EngineConfig:
             self.dtype = default_dtype(self.model, self.device)
         if self.attention_backend == "auto":
             self.attention_backend = "torch"
-            if self.device.startswith("cuda"):
+            if self.device.startswith("cuda") and self.dtype != "float32":  # flash: 16-bit only
                 from batchspec.layers.attention import flash_available
                 if flash_available():
                     self.attention_backend = "flash"
