@@ -45,7 +45,12 @@ JOB_OPTIONS = [
     click.option("--max-tokens", type=int, help="Most tokens generated per row [128]."),
     click.option("--seed", type=int, help="Job seed; each row's seed derives from it and "
                                           "the row id unless the row has a seed [0]."),
-    click.option("--device", envvar="BATCHSPEC_DEVICE", help="auto, cpu, cuda, cuda:N [auto]."),
+    click.option("--device", envvar="BATCHSPEC_DEVICE",
+                 help="auto, cpu, cuda, cuda:N, or one device per tensor-parallel rank "
+                      "(cuda:0,cuda:1) [auto]."),
+    click.option("--tensor-parallel-size", type=int, envvar="BATCHSPEC_TENSOR_PARALLEL_SIZE",
+                 help="Shard the target over this many devices, one process each [one "
+                      "per device listed in --device]."),
     click.option("--dtype", envvar="BATCHSPEC_DTYPE",
                  type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                  help="Model dtype [auto]."),
@@ -337,7 +342,11 @@ def cancel(ctx, job_id):
 
 @click.command()
 @click.option("--device", envvar="BATCHSPEC_DEVICE",
-              help="Device of this worker (cuda:N); run one worker per GPU.")
+              help="Device of this worker (cuda:N), or its group of GPUs for a "
+                   "tensor-parallel target (cuda:0,cuda:1,...); one worker per GPU or group.")
+@click.option("--tensor-parallel-size", type=int,
+              help="Shard the target over this many GPUs counted from --device (default "
+                   "cuda:0), e.g. CUDA_VISIBLE_DEVICES=4,5,6,7 ... --tensor-parallel-size 4.")
 @click.option("--concurrency", type=int, default=1, show_default=True,
               help="Worker processes; each loads its own copy of the models.")
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork",
@@ -349,14 +358,22 @@ def cancel(ctx, job_id):
 @broker_option
 @click.pass_context
 @clear_errors
-def worker(ctx, device, concurrency, pool, loglevel, hostname, metrics_port):
+def worker(ctx, device, tensor_parallel_size, concurrency, pool, loglevel, hostname,
+           metrics_port):
     """Start a Celery worker that runs shards."""
     import os
 
-    from batchspec.config import check_device
+    from batchspec.config import check_device, rank_devices
     from batchspec.jobs.celery_app import QUEUE, use_broker
+    if tensor_parallel_size is not None:  # the worker's devices decide the ranks of its jobs
+        if tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        names = (device or "cuda").split(",")
+        device = ",".join(names if len(names) > 1 else
+                          rank_devices(names[0], tensor_parallel_size))
     if device:
-        check_device(device)
+        for name in device.split(","):
+            check_device(name.strip())
         os.environ["BATCHSPEC_DEVICE"] = device  # read by the pool's children
     if metrics_port:  # before the pool forks: its children record, this process serves
         from batchspec.jobs.metrics import serve_worker

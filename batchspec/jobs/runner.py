@@ -133,6 +133,8 @@ class ShardDriver:
             finished, n = self.llm.step()
             metrics.on_step(self.llm, time.perf_counter() - t0)
         except Exception:
+            if self.llm.engine.closed:  # a tensor-parallel target broke: nothing to replay on
+                raise
             log.exception("an engine step failed; running its requests one at a time to "
                           "find the row(s) that broke it")
             return self._replay_alone()

@@ -39,6 +39,7 @@ class JobSpec:
     max_tokens: int = 128
     seed: int = 0
     device: str = "auto"
+    tensor_parallel_size: int | None = None  # None: one rank per device listed in `device`
     dtype: str = "auto"
     num_threads: int | None = None    # CPU intra-op threads; None: EngineConfig's default
     shard_size: int = 1000
@@ -81,7 +82,11 @@ class JobSpec:
         self.sampling_params()
         # EngineConfig owns the checks of model paths, k, tau, dtype, fallback options;
         # device "cpu" here keeps torch out of processes that only submit.
-        self.engine_config(device="cpu")
+        ranks = self.tensor_parallel_size
+        ranks = len(self.device.split(",")) if ranks is None else ranks
+        if ranks < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {ranks}")
+        self.engine_config(device=",".join(["cpu"] * ranks))
 
     def _use_demo_models(self):
         try:
@@ -102,6 +107,9 @@ class JobSpec:
         return {name: getattr(self, name) for name in SAMPLING_FIELDS}
 
     def engine_config(self, device: str | None = None) -> EngineConfig:
+        """The EngineConfig; `device`: a worker's own device(s), which override the job's (a
+        list of devices sets the tensor-parallel ranks too)."""
+        tp = None if device and "," in device else self.tensor_parallel_size
         extra = {k: v for k, v in (("min_acceptance", self.min_acceptance),
                                    ("max_spec_temperature", self.max_spec_temperature),
                                    ("num_threads", self.num_threads))
@@ -110,7 +118,7 @@ class JobSpec:
                             num_speculative_tokens=self.num_speculative_tokens,
                             confidence_threshold=self.confidence_threshold,
                             device=device or self.device, dtype=self.dtype, seed=self.seed,
-                            adaptive_k=self.adaptive_k,
+                            adaptive_k=self.adaptive_k, tensor_parallel_size=tp,
                             enable_prefix_caching=self.prefix_caching, **extra)
 
     def to_dict(self) -> dict:
