@@ -16,7 +16,7 @@ from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
 from batchspec.models.loader import load_tokenizer
 from batchspec.spec.policy import SpecPolicy, StepCosts
-from batchspec.spec.proposer import DraftModelProposer, NgramProposer
+from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
 from batchspec.spec.verify import VerifyMetadata, verify
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.policy.lookahead)
         self._next_id = 0
-        self._step_k: int | None = None   # k chosen by adaptive_k for the current step
         if c.adaptive_k and k > 0:
             self.policy.costs = self.measure_step_costs()
 
@@ -185,8 +184,7 @@ class Engine:
             return [], 0
         sampling = [s for s in scheduled if s.is_sampling]
         t0 = time.perf_counter()
-        self._step_k = None
-        self.propose(sampling)
+        chose = self.propose(sampling)
         # Every row's uncomputed tokens then its drafts; a sampling row gets 1 + n_i logits.
         logits = self.target.forward([s.input_token_ids for s in scheduled],
                                      [s.seq.num_computed_tokens for s in scheduled],
@@ -195,32 +193,47 @@ class Engine:
         out_ids, num_accepted = verify(logits, self._verify_metadata(sampling, logits),
                                        self.config.verify_backend)
         result = self.commit(scheduled, out_ids.tolist(), num_accepted.tolist())
-        if self._step_k is not None and all(s.num_new_tokens == 1 for s in scheduled):
+        if chose and all(s.num_new_tokens == 1 for s in scheduled):
             # decode-only steps: the prediction has no term for prefill chunks
-            self.policy.observe(self._step_k, time.perf_counter() - t0)
+            self.policy.observe(time.perf_counter() - t0)
         return result
 
-    def propose(self, sampling: list[ScheduledSeq]) -> None:
+    def propose(self, sampling: list[ScheduledSeq]) -> bool:
         """Draft tokens for decode rows allowed to speculate, grouped by draft; each row's
-        proposal lands on it."""
+        proposal lands on it. With adaptive_k, lookup sources (n-gram, suffix) draft first,
+        then the policy sets every row's length (what a lookup found bounds its row), and
+        model drafts draft only that many, level by level. Returns whether the policy chose
+        lengths this step."""
         groups: dict[str, list[ScheduledSeq]] = {}
         for s in sampling:
             if s.max_drafts > 0:
                 groups.setdefault(s.seq.spec.draft, []).append(s)
-        if self.policy.costs is not None and groups:
-            k = self.policy.choose_k({name: [s.seq for s in rows] for name, rows in
-                                      groups.items()},
-                                     len(sampling) - sum(map(len, groups.values())))
-            self._step_k = k
-            for rows in groups.values():
-                for s in rows:
-                    s.max_drafts = min(s.max_drafts, k)
-            if k == 0:
-                return
+        models = {name for name in groups
+                  if isinstance(self.proposers[name], DraftModelProposer)}
         for name, rows in groups.items():
-            props = self.proposers[name].propose([(s.seq, s.max_drafts) for s in rows])
-            for s, p in zip(rows, props, strict=True):
-                s.proposal = p
+            if name not in models:
+                self._draft(name, rows)
+        chose = self.policy.costs is not None and bool(groups)
+        if chose:
+            rows = [s for group in groups.values() for s in group]
+            lengths = self.policy.choose_lengths(
+                [(s.seq, s.seq.spec.draft, s.max_drafts if s.seq.spec.draft in models
+                  else s.num_drafts, s.seq.spec.draft in models) for s in rows],
+                len(sampling) - len(rows))
+            for s, n in zip(rows, lengths, strict=True):
+                s.max_drafts = n
+                if s.proposal is not None:
+                    s.proposal = Proposal(s.proposal.token_ids[:n], None) if n else None
+        for name in models:
+            rows = [s for s in groups[name] if s.max_drafts > 0]
+            if rows:
+                self._draft(name, rows)
+        return chose
+
+    def _draft(self, name: str, rows: list[ScheduledSeq]) -> None:
+        props = self.proposers[name].propose([(s.seq, s.max_drafts) for s in rows])
+        for s, p in zip(rows, props, strict=True):
+            s.proposal = p
 
     def _verify_metadata(self, sampling: list[ScheduledSeq], logits) -> VerifyMetadata:
         dev = logits.device
@@ -267,7 +280,7 @@ class Engine:
             b += 1
             if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
                 seq.record_round(s.num_drafts, m)
-                self.policy.record(seq, s.num_drafts, m)
+                self.policy.record(seq, seq.spec.draft, s.num_drafts, m)
                 if s.proposal is not None and s.proposal.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
                 self.policy.update_fallback(seq)

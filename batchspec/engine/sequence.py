@@ -24,6 +24,8 @@ class SpecState:
     rounds: int = 0
     drafted_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
+    judged_per_depth: list[int] = field(default_factory=list)  # index d: rounds whose draft at
+                                      # depth d was judged (all drafts before it accepted)
     round_output_pos: list[int] = field(default_factory=list)
     round_drafted: list[int] = field(default_factory=list)
     round_accepted: list[int] = field(default_factory=list)
@@ -86,9 +88,11 @@ class Sequence:
         while len(s.drafted_per_depth) < num_drafted:
             s.drafted_per_depth.append(0)
             s.accepted_per_depth.append(0)
+            s.judged_per_depth.append(0)
         for d in range(num_drafted):
             s.drafted_per_depth[d] += 1
             s.accepted_per_depth[d] += d < num_accepted
+            s.judged_per_depth[d] += d <= num_accepted
         s.num_accepted += num_accepted
         s.num_rejections += num_accepted < num_drafted
         if num_drafted:

@@ -1,19 +1,21 @@
 """Speculation policy: which draft serves a request (by domain), how many tokens it may
-draft this round (k, capped by max_tokens and the context; with adaptive_k, the k of the step
-that maximises expected tokens per second), and when a request stops speculating (rolling
-acceptance below min_acceptance, or sampled hotter than max_spec_temperature)."""
+draft this round (k, capped by max_tokens and the context; with adaptive_k, each row's length
+from the draft slots, across all rows, that maximise the step's expected tokens per second),
+and when a request stops speculating (rolling acceptance below min_acceptance, or sampled
+hotter than max_spec_temperature)."""
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
 from batchspec.config import EngineConfig
-from batchspec.contract import expected_tokens_per_pass
 from batchspec.engine.sequence import Sequence
 
-# Prior on a draft's per-token acceptance probability before its first rounds (p = 0.6
-# worth 10 rounds), and the weight of the draft's pooled estimate in a request's own.
-PRIOR_P, PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = 0.6, 10, 4
+# Prior on a source's per-depth acceptance probability before its first rounds (p = 0.6
+# worth 10 rounds), and the weights (in rounds) of the source's pooled estimate in its
+# domain's and of the domain's in a request's own.
+PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = 0.6, 10, 10, 4
+MAX_P = 0.98
 
 
 @dataclass
@@ -36,6 +38,18 @@ class StepCosts:
     def target_s(self, b: int, q: int) -> float:
         return self._at(self.target[q], b) if b > 0 else 0.0
 
+    def target_tokens_s(self, b: int, num_tokens: int) -> float:
+        """Target forward over b rows holding num_tokens tokens in all (ragged windows):
+        interpolated between the uniform shapes of q = floor and ceil of the mean."""
+        if b <= 0:
+            return 0.0
+        q_max = max(self.target)
+        q = min(max(num_tokens / b, 1.0), float(q_max))
+        lo = int(q)
+        hi = min(lo + 1, q_max)
+        t_lo = self.target_s(b, lo)
+        return t_lo + (q - lo) * (self.target_s(b, hi) - t_lo)
+
     def draft_s(self, name: str, b: int) -> float:
         return self._at(self.draft[name], b) if b > 0 and name in self.draft else 0.0
 
@@ -45,9 +59,10 @@ class SpecPolicy:
         self.config = config
         self.max_model_len = max_model_len
         self.costs: StepCosts | None = None        # set by the engine when adaptive_k
-        self.pooled: dict[str, list[int]] = {}     # draft -> [accepted, rejections]
-        self.step_ratio: dict[int, float] = {}     # k -> EMA of measured / predicted step
-        self.predicted: dict[int, float] = {}      # k -> predicted seconds, this step
+        # source, or (source, domain) -> (accepted, judged) per depth
+        self.pooled: dict[str | tuple, tuple[list[int], list[int]]] = {}
+        self.step_ratio: dict[int, float] = {}     # step key -> EMA of measured / predicted
+        self._chosen: tuple[int, float] | None = None  # (key, predicted s) of this step
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
@@ -78,58 +93,114 @@ class SpecPolicy:
         if drafted >= c.fallback_min_drafted and accepted < c.min_acceptance * drafted:
             seq.spec.fallback_triggered = True
 
-    # ---- adaptive k (goodput, SmartSpec-style) ----------------------------------------
-    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        """Pool a round's outcome into its draft's acceptance estimate."""
-        if num_drafted:
-            pooled = self.pooled.setdefault(seq.spec.draft, [0, 0])
-            pooled[0] += num_accepted
-            pooled[1] += num_accepted < num_drafted
+    # ---- adaptive verification: per-slot draft lengths by expected goodput ----------------
+    def record(self, seq: Sequence, source: str | None, num_drafted: int,
+               num_accepted: int) -> None:
+        """Pool a round's per-depth outcome into its source's estimates (overall and for the
+        request's domain); the request's own counts are on its SpecState."""
+        if not num_drafted or source is None:
+            return
+        for key in (source, (source, seq.domain)):
+            acc, judged = self.pooled.setdefault(key, ([], []))
+            while len(judged) < num_drafted:
+                acc.append(0)
+                judged.append(0)
+            for d in range(min(num_drafted, num_accepted + 1)):
+                judged[d] += 1
+                acc[d] += d < num_accepted
 
-    def acceptance_p(self, seq: Sequence) -> float:
-        """Per-token acceptance probability of seq's next drafts: its own rounds, shrunk
-        towards its draft's pooled estimate (itself shrunk towards PRIOR_P)."""
-        acc, rej = self.pooled.get(seq.spec.draft, (0, 0))
-        p_draft = (acc + PRIOR_P * PRIOR_ROUNDS) / (acc + rej + PRIOR_ROUNDS)
-        s = seq.spec
-        return (s.num_accepted + p_draft * REQUEST_PRIOR_ROUNDS) / \
-            (s.num_accepted + s.num_rejections + REQUEST_PRIOR_ROUNDS)
+    def depth_probs(self, seq: Sequence, source: str, n: int) -> list[float]:
+        """Estimated probability that seq's draft at depth d (d < n) from `source` is accepted
+        given that every draft before it was: the request's own counts at that depth, shrunk
+        towards the source's pooled estimate for the request's domain, itself shrunk towards
+        the source's estimate over all domains, shrunk towards the estimate one depth
+        shallower (PRIOR_P at depth 0). Estimates are capped at 0.98 (no slot is certain)."""
+        src = self.pooled.get(source, ((), ()))
+        dom = self.pooled.get((source, seq.domain), ((), ()))
+        own = (seq.spec.accepted_per_depth, seq.spec.judged_per_depth) \
+            if seq.spec.draft == source else ((), ())
+        out, parent = [], PRIOR_P
+        for d in range(n):
+            p = parent
+            for (acc, judged), weight in ((src, PRIOR_ROUNDS), (dom, DOMAIN_PRIOR_ROUNDS),
+                                          (own, REQUEST_PRIOR_ROUNDS)):
+                if d < len(judged):
+                    p = (acc[d] + weight * p) / (judged[d] + weight)
+            out.append(min(p, MAX_P))
+            parent = out[-1]
+        return out
 
-    def choose_k(self, spec_rows: dict[str, list[Sequence]], num_plain_rows: int) -> int:
-        """The k (0..k_max) of this step that maximises expected tokens per second:
-        sum over rows of E[tokens | p_i, k] over (target forward of the batch with k+1 tokens
-        per speculating row + k forwards of each draft over its rows), from measured costs.
-        k = 0 is a plain step. Rows that do not speculate count 1 token at any k."""
-        costs, k_max = self.costs, self.config.num_speculative_tokens
-        if costs is None or not spec_rows:
-            return k_max
-        ps = [self.acceptance_p(seq) for rows in spec_rows.values() for seq in rows]
-        b_spec = len(ps)
-        base = costs.target_s(b_spec + num_plain_rows, 1) - costs.target_s(b_spec, 1)
-        draft_s = sum(costs.draft_s(name, len(rows)) for name, rows in spec_rows.items())
-        best_k, best_rate = 0, 0.0
-        for k in range(k_max + 1):
-            tokens = num_plain_rows + sum(expected_tokens_per_pass(p, k) for p in ps)
-            self.predicted[k] = base + costs.target_s(b_spec, k + 1) + k * draft_s
-            rate = tokens / max(self.predicted[k] * self._ratio(k), 1e-9)
+    def choose_lengths(self, rows: list[tuple[Sequence, str, int, bool]],
+                       num_plain_rows: int) -> list[int]:
+        """Draft lengths for this step's speculating rows, from slots admitted across all rows
+        in order of survival probability (the product of the row's per-depth acceptance
+        estimates up to the slot), keeping the number of slots at which the step's expected
+        tokens per second, from the measured costs and their online correction, is highest
+        (0 slots: the plain step). rows: (seq, source, most drafts, source is a model), the
+        most drafts of a lookup source being the drafts it has already found. Rows that do
+        not speculate count one token."""
+        costs = self.costs
+        self._chosen = None
+        if costs is None:
+            return [n for _, _, n, _ in rows]
+        slots = []
+        for i, (seq, source, n, _) in enumerate(rows):
+            survive = 1.0
+            for d, p in enumerate(self.depth_probs(seq, source, n)):
+                survive *= p
+                slots.append((-survive, d, i))
+        slots.sort()
+        num_rows = len(rows) + num_plain_rows
+        levels: dict[str, list[int]] = {}   # model source -> rows drafting at each depth
+        tokens = float(num_rows)
+        draft_s = 0.0
+        best_n, best_pred = 0, costs.target_tokens_s(num_rows, num_rows)
+        predicted = best_pred
+        best_rate = tokens / max(predicted * self._ratio(0), 1e-12)
+        for n, (neg_survive, d, i) in enumerate(slots, 1):
+            _, source, _, is_model = rows[i]
+            tokens -= neg_survive
+            if is_model:
+                level = levels.setdefault(source, [])
+                if d == len(level):
+                    level.append(0)
+                draft_s += costs.draft_s(source, level[d] + 1) - costs.draft_s(source, level[d])
+                level[d] += 1
+            predicted = costs.target_tokens_s(num_rows, num_rows + n) + draft_s
+            rate = tokens / max(predicted * self._ratio(self._key(n, num_rows)), 1e-12)
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+                best_n, best_rate, best_pred = n, rate, predicted
+        lengths = [0] * len(rows)
+        for _, d, i in slots[:best_n]:
+            lengths[i] = max(lengths[i], d + 1)
+        self._chosen = (self._key(best_n, num_rows), best_pred)
+        return lengths
 
-    def _ratio(self, k: int) -> float:
-        """Measured / predicted decode-step time for k (what the start-up costs leave out:
-        sampling, verification, bookkeeping, a busier machine); an untried k borrows the ratio
-        of the nearest tried one."""
-        if k in self.step_ratio or not self.step_ratio:
-            return self.step_ratio.get(k, 1.0)
-        return self.step_ratio[min(self.step_ratio, key=lambda j: (abs(j - k), j))]
+    def _key(self, num_slots: int, num_rows: int) -> int:
+        """Which online correction a step uses: its drafts per row, rounded (at least 1 when
+        it drafts at all), so that steps of similar shape share one."""
+        if num_slots == 0:
+            return 0
+        return max(1, min(self.config.num_speculative_tokens, round(num_slots / num_rows)))
 
-    def observe(self, k: int, seconds: float, weight: float = 0.1) -> None:
-        """Fold a step's measured time into the correction of its k. A step more than 10x off
-        the prediction (a one-time build, a pause of the process) is not a cost of its k and
-        is left out: a k judged dear is rarely tried again to correct it."""
-        predicted = self.predicted.get(k)
+    def _ratio(self, key: int) -> float:
+        """Measured / predicted decode-step time (what the start-up costs leave out:
+        sampling, verification, bookkeeping, a busier machine); an untried key borrows the
+        ratio of the nearest tried one."""
+        if key in self.step_ratio or not self.step_ratio:
+            return self.step_ratio.get(key, 1.0)
+        return self.step_ratio[min(self.step_ratio, key=lambda j: (abs(j - key), j))]
+
+    def observe(self, seconds: float, weight: float = 0.1) -> None:
+        """Fold the measured time of the step whose lengths choose_lengths chose into the
+        correction of its key. A step more than 10x off the prediction (a one-time build, a
+        pause of the process) is not a cost of its shape and is left out: a shape judged dear
+        is rarely tried again to correct it."""
+        if self._chosen is None:
+            return
+        key, predicted = self._chosen
+        self._chosen = None
         if predicted and 0.1 <= seconds / predicted <= 10.0:
             r = seconds / predicted
-            self.step_ratio[k] = r if k not in self.step_ratio else \
-                (1 - weight) * self.step_ratio[k] + weight * r
+            self.step_ratio[key] = r if key not in self.step_ratio else \
+                (1 - weight) * self.step_ratio[key] + weight * r
