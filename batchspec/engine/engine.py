@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from batchspec.config import NGRAM, EngineConfig
+from batchspec.config import NGRAM, SUFFIX, EngineConfig
 from batchspec.contract import Request, request_seed
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.runner import ModelRunner
@@ -17,6 +17,7 @@ from batchspec.engine.sequence import Sequence
 from batchspec.models.loader import load_tokenizer
 from batchspec.spec.policy import SpecPolicy, StepCosts
 from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
+from batchspec.spec.suffix import SuffixProposer
 from batchspec.spec.verify import VerifyMetadata, verify
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,14 @@ class Engine:
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.proposers: dict[str, DraftModelProposer | NgramProposer] = {}
+        self.proposers: dict[str, DraftModelProposer | NgramProposer | SuffixProposer] = {}
         runners: dict[str, ModelRunner] = {}
         for name, path in c.drafts.items():
             if path == NGRAM:
                 self.proposers[name] = NgramProposer(c.ngram_min, c.ngram_max)
+                continue
+            if path == SUFFIX:
+                self.proposers[name] = SuffixProposer(c.suffix_max_tokens, c.suffix_min_prob)
                 continue
             if path not in runners:
                 runners[path] = ModelRunner(path, c.device, c.dtype, c.attention_backend)
@@ -327,3 +331,5 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         seq.finish_time = time.perf_counter()
+        if seq.spec.draft is not None:
+            self.proposers[seq.spec.draft].finish(seq, reason != "abort")
