@@ -133,3 +133,11 @@ def test_suffix_sampling_is_exact(model_factory):
     accepted = sum(o.stats["total_accepted"] for o in outs)
     assert drafted > 0.3 * n and 0 < accepted < drafted
     assert_follows(outs, exact_joint(llm, prompt, 3, 1.0, 1.0))
+
+
+def test_templated_workload_is_held_out_and_shares_one_template():
+    from batchspec.tools.bench import templated_prompts
+    rows = templated_prompts(12)
+    assert len(rows) == 12 and {r["domain"] for r in rows} == {"code"}
+    assert all("\n\n# Summary of " in r["prompt"] and r["prompt"].endswith("# The function")
+               for r in rows)
