@@ -12,6 +12,16 @@ SUFFIX = "suffix"
 LOOKUP_SOURCES = (NGRAM, SUFFIX)   # drafts that look tokens up instead of running a model
 
 
+def draft_sources(value: str) -> list[str]:
+    """The sources one draft setting names: a model directory, 'ngram', 'suffix', or a model
+    directory and a lookup source joined by '+' ('DIR+suffix'), between which each row
+    chooses per round."""
+    if value in LOOKUP_SOURCES or os.path.isdir(value):
+        return [value]
+    head, sep, tail = value.rpartition("+")
+    return [head, tail] if sep and head and tail in LOOKUP_SOURCES else [value]
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it bf16
     matmuls are emulated and slower than fp32."""
@@ -38,8 +48,8 @@ def default_dtype(model: str, device: str) -> str:
 @dataclass
 class EngineConfig:
     model: str
-    drafts: dict[str, str] = field(default_factory=dict)  # domain -> HF dir, "ngram" or
-                                                          # "suffix"
+    drafts: dict[str, str] = field(default_factory=dict)  # domain -> HF dir, "ngram",
+                                                          # "suffix" or "DIR+ngram|suffix"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
     device: str = "auto"              # auto | cpu | cuda | cuda:N
@@ -74,11 +84,12 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a Hugging Face model directory")
         self.drafts = {str(k): str(v) for k, v in (self.drafts or {}).items()}
-        for domain, path in self.drafts.items():
+        for domain, value in self.drafts.items():
+            path = draft_sources(value)[0]
             if path not in LOOKUP_SOURCES and not os.path.isdir(path):
                 raise FileNotFoundError(
-                    f"draft for domain {domain!r}: {path!r} is not a directory "
-                    f"(give a Hugging Face model directory, 'ngram' or 'suffix')")
+                    f"draft for domain {domain!r}: {path!r} is not a directory (give a "
+                    f"Hugging Face model directory, 'ngram', 'suffix' or DIR+ngram|suffix)")
         if not os.path.isdir(self.model):
             raise FileNotFoundError(
                 f"model {self.model!r} is not a directory: give a Hugging Face model "

@@ -30,8 +30,7 @@ def rows_with(policy, n, source, p, domain=None, rounds=200):
     policy.pooled[source] = (list(acc), list(judged))
     policy.pooled[(source, domain)] = (list(acc), list(judged))
     for seq in seqs:
-        seq.spec.judged_per_depth = [rounds] * 4
-        seq.spec.accepted_per_depth = [int(p * rounds)] * 4
+        seq.spec.source_depth[source] = ([int(p * rounds)] * 4, [rounds] * 4)
     return seqs
 
 
@@ -99,5 +98,5 @@ def test_estimates_shrink_towards_the_pool():
     assert p[1] == pytest.approx((400 + 10 * p[0]) / 1010)  # shrunk towards depth 0's
     assert p[2] == pytest.approx(p[1])  # deeper than any data: the depth above
     # one request that always rejects at depth 0 pulls its own estimate down, not the pool's
-    seq.spec.judged_per_depth, seq.spec.accepted_per_depth = [40], [0]
+    seq.spec.source_depth["d"] = ([0], [40])
     assert policy.depth_probs(seq, "d", 1)[0] < 0.2 < p[0]

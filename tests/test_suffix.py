@@ -141,3 +141,26 @@ def test_templated_workload_is_held_out_and_shares_one_template():
     assert len(rows) == 12 and {r["domain"] for r in rows} == {"code"}
     assert all("\n\n# Summary of " in r["prompt"] and r["prompt"].endswith("# The function")
                for r in rows)
+
+
+def test_routed_rows_choose_per_round_and_stay_exact(tiny_llama, tiny_draft, plain):
+    """DIR+suffix: each round a row keeps the suffix drafts when its estimates favour them,
+    else the model drafts; greedy outputs stay the plain ones, and the record names the
+    source of every round that drafted."""
+    for adaptive in (False, True):
+        llm = LLM(tiny_llama, drafts={"default": f"{tiny_draft}+suffix"}, device="cpu",
+                  min_acceptance=0.0, adaptive_k=adaptive, max_num_seqs=2)
+        outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False)
+        sources = set()
+        for p, o in zip(plain * 2, outs):
+            assert o.token_ids == p.token_ids
+            check_record(o)
+            s = o.stats
+            assert len(s["round_source"]) == s["rounds"]
+            assert all((src is None) == (d == 0)
+                       for src, d in zip(s["round_source"], s["round_drafted"]))
+            sources |= set(s["round_source"]) - {None}
+        assert "suffix" in sources and sources <= {"suffix", tiny_draft}
+    # a random model draft is almost never right: the suffix source wins the rounds it can
+    assert sum(src == "suffix" for o in outs for src in o.stats["round_source"]) > \
+        sum(src == tiny_draft for o in outs for src in o.stats["round_source"])

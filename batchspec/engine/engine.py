@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from batchspec.config import NGRAM, SUFFIX, EngineConfig
+from batchspec.config import NGRAM, SUFFIX, EngineConfig, draft_sources
 from batchspec.contract import Request, request_seed
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.runner import ModelRunner
@@ -36,18 +36,22 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.proposers: dict[str, DraftModelProposer | NgramProposer | SuffixProposer] = {}
+        self.routes: dict[str, str] = {}   # model draft -> the lookup source routed with it
+        self.source_label: dict[str, str] = {}  # proposer -> its path, "ngram" or "suffix"
         runners: dict[str, ModelRunner] = {}
-        for name, path in c.drafts.items():
-            if path == NGRAM:
-                self.proposers[name] = NgramProposer(c.ngram_min, c.ngram_max)
-                continue
-            if path == SUFFIX:
-                self.proposers[name] = SuffixProposer(c.suffix_max_tokens, c.suffix_min_prob)
+        for name, value in c.drafts.items():
+            path, *lookup = draft_sources(value)
+            if lookup:
+                self.routes[name] = f"{name}+{lookup[0]}"
+                self._add_lookup(self.routes[name], lookup[0])
+            if path in (NGRAM, SUFFIX):
+                self._add_lookup(name, path)
                 continue
             if path not in runners:
                 runners[path] = ModelRunner(path, c.device, c.dtype, c.attention_backend)
                 self._check_draft(path, runners[path])
             self.proposers[name] = DraftModelProposer(runners[path], c.confidence_threshold)
+            self.source_label[name] = path
         k = c.num_speculative_tokens if c.speculative else 0
         self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
@@ -69,6 +73,12 @@ class Engine:
         self._next_id = 0
         if c.adaptive_k and k > 0:
             self.policy.costs = self.measure_step_costs()
+
+    def _add_lookup(self, name: str, kind: str) -> None:
+        c = self.config
+        self.proposers[name] = NgramProposer(c.ngram_min, c.ngram_max) if kind == NGRAM else \
+            SuffixProposer(c.suffix_max_tokens, c.suffix_min_prob)
+        self.source_label[name] = kind
 
     def measure_step_costs(self, ctx_len: int = 128, repeats: int = 2,
                            max_batch: int = 64) -> StepCosts:
@@ -204,35 +214,53 @@ class Engine:
 
     def propose(self, sampling: list[ScheduledSeq]) -> bool:
         """Draft tokens for decode rows allowed to speculate, grouped by draft; each row's
-        proposal lands on it. With adaptive_k, lookup sources (n-gram, suffix) draft first,
-        then the policy sets every row's length (what a lookup found bounds its row), and
-        model drafts draft only that many, level by level. Returns whether the policy chose
-        lengths this step."""
-        groups: dict[str, list[ScheduledSeq]] = {}
-        for s in sampling:
-            if s.max_drafts > 0:
-                groups.setdefault(s.seq.spec.draft, []).append(s)
-        models = {name for name in groups
-                  if isinstance(self.proposers[name], DraftModelProposer)}
-        for name, rows in groups.items():
-            if name not in models:
-                self._draft(name, rows)
-        chose = self.policy.costs is not None and bool(groups)
+        proposal lands on it. Lookup sources (n-gram, suffix) draft first; a row routed
+        between a model draft and a lookup keeps the lookup's drafts when the policy expects
+        more of them than of the model's (else the model drafts). With adaptive_k the policy
+        then sets every row's length (what a lookup found bounds its row), and model drafts
+        draft only that many, level by level. Returns whether the policy chose lengths this
+        step."""
+        rows = [s for s in sampling if s.max_drafts > 0]
+        for s in rows:
+            s.source = s.seq.spec.draft
+        is_model = {name: isinstance(p, DraftModelProposer) for name, p in self.proposers.items()}
+        # lookups first: they are cheap, and what they find bounds their rows
+        for name, group in self._by_source(rows).items():
+            alt = self.routes.get(name)
+            if alt is not None:   # routed rows: the lookup drafts, then each row chooses
+                self._draft(alt, group)
+                for s in group:
+                    if self.policy.prefer_lookup(s.seq, name, alt, s.num_drafts,
+                                                 self._cost_ratio(name)):
+                        s.source = alt
+                    else:
+                        s.proposal = None
+            elif not is_model[name]:
+                self._draft(name, group)
+        chose = self.policy.costs is not None and bool(rows)
         if chose:
-            rows = [s for group in groups.values() for s in group]
             lengths = self.policy.choose_lengths(
-                [(s.seq, s.seq.spec.draft, s.max_drafts if s.seq.spec.draft in models
-                  else s.num_drafts, s.seq.spec.draft in models) for s in rows],
-                len(sampling) - len(rows))
+                [(s.seq, s.source, s.max_drafts if is_model[s.source] else s.num_drafts,
+                  is_model[s.source]) for s in rows], len(sampling) - len(rows))
             for s, n in zip(rows, lengths, strict=True):
                 s.max_drafts = n
                 if s.proposal is not None:
                     s.proposal = Proposal(s.proposal.token_ids[:n], None) if n else None
-        for name in models:
-            rows = [s for s in groups[name] if s.max_drafts > 0]
-            if rows:
-                self._draft(name, rows)
+        for name, group in self._by_source(rows).items():
+            group = [s for s in group if s.max_drafts > 0]
+            if is_model[name] and group:
+                self._draft(name, group)
         return chose
+
+    @staticmethod
+    def _by_source(rows: list[ScheduledSeq]) -> dict[str, list[ScheduledSeq]]:
+        groups: dict[str, list[ScheduledSeq]] = {}
+        for s in rows:
+            groups.setdefault(s.source, []).append(s)
+        return groups
+
+    def _cost_ratio(self, name: str) -> float:
+        return self.proposers[name].num_params / self.target.num_params
 
     def _draft(self, name: str, rows: list[ScheduledSeq]) -> None:
         props = self.proposers[name].propose([(s.seq, s.max_drafts) for s in rows])
@@ -283,8 +311,8 @@ class Engine:
             new = out_ids[b][:m + 1]
             b += 1
             if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
-                seq.record_round(s.num_drafts, m)
-                self.policy.record(seq, seq.spec.draft, s.num_drafts, m)
+                seq.record_round(s.num_drafts, m, self.source_label.get(s.source))
+                self.policy.record(seq, s.source, s.num_drafts, m)
                 if s.proposal is not None and s.proposal.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
                 self.policy.update_fallback(seq)
@@ -333,3 +361,5 @@ class Engine:
         seq.finish_time = time.perf_counter()
         if seq.spec.draft is not None:
             self.proposers[seq.spec.draft].finish(seq, reason != "abort")
+            if seq.spec.draft in self.routes:
+                self.proposers[self.routes[seq.spec.draft]].finish(seq, reason != "abort")

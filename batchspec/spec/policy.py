@@ -96,12 +96,13 @@ class SpecPolicy:
     # ---- adaptive verification: per-slot draft lengths by expected goodput ----------------
     def record(self, seq: Sequence, source: str | None, num_drafted: int,
                num_accepted: int) -> None:
-        """Pool a round's per-depth outcome into its source's estimates (overall and for the
-        request's domain); the request's own counts are on its SpecState."""
+        """Count a round's per-depth outcome in the request's own estimates for its source
+        (on its SpecState) and in the source's pooled ones (overall and for the domain)."""
         if not num_drafted or source is None:
             return
-        for key in (source, (source, seq.domain)):
-            acc, judged = self.pooled.setdefault(key, ([], []))
+        own = seq.spec.source_depth.setdefault(source, ([], []))
+        for acc, judged in (own, self.pooled.setdefault(source, ([], [])),
+                            self.pooled.setdefault((source, seq.domain), ([], []))):
             while len(judged) < num_drafted:
                 acc.append(0)
                 judged.append(0)
@@ -117,8 +118,7 @@ class SpecPolicy:
         shallower (PRIOR_P at depth 0). Estimates are capped at 0.98 (no slot is certain)."""
         src = self.pooled.get(source, ((), ()))
         dom = self.pooled.get((source, seq.domain), ((), ()))
-        own = (seq.spec.accepted_per_depth, seq.spec.judged_per_depth) \
-            if seq.spec.draft == source else ((), ())
+        own = seq.spec.source_depth.get(source, ((), ()))
         out, parent = [], PRIOR_P
         for d in range(n):
             p = parent
@@ -129,6 +129,28 @@ class SpecPolicy:
             out.append(min(p, MAX_P))
             parent = out[-1]
         return out
+
+    def expected_tokens(self, seq: Sequence, source: str, n: int) -> float:
+        """Expected tokens of a round in which `source` drafts n tokens for seq: the
+        accepted drafts (sum of survival probabilities) and the target's token."""
+        tokens, survive = 1.0, 1.0
+        for p in self.depth_probs(seq, source, n):
+            survive *= p
+            tokens += survive
+        return tokens
+
+    def prefer_lookup(self, seq: Sequence, model: str, lookup: str, found: int,
+                      cost_ratio: float) -> bool:
+        """Routing of a row served by a model draft and a lookup source: whether the drafts
+        the lookup found this round (`found` tokens, free to make) promise at least the
+        tokens per target-pass cost of k model drafts (each costing cost_ratio of a pass),
+        by the row's estimates for each source (shrunk towards its domain's and the
+        source's pooled ones)."""
+        if not found:
+            return False
+        k = self.lookahead(seq)
+        by_model = self.expected_tokens(seq, model, k) / (1.0 + k * cost_ratio)
+        return self.expected_tokens(seq, lookup, found) >= by_model
 
     def choose_lengths(self, rows: list[tuple[Sequence, str, int, bool]],
                        num_plain_rows: int) -> list[int]:
