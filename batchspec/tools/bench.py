@@ -7,7 +7,8 @@ generation with the general draft, k constant, batch size 1 as it requires), `pl
 `spec-adaptive` (a draft per domain, each row's draft length chosen per step by expected
 goodput: adaptive_k), `ngram` (prompt lookup), `suffix` (suffix drafts: the request's own text
 and the outputs of earlier requests in the same run; every timed run starts with an empty
-job-wide trie) and `suffix-adaptive` (suffix drafts with adaptive_k). For each batch size and temperature it reports tokens/s, α, tokens
+job-wide trie), `suffix-adaptive` (suffix drafts with adaptive_k) and `spec-routed` (each
+domain's draft routed per row and round with suffix drafts, adaptive_k). For each batch size and temperature it reports tokens/s, α, tokens
 per target pass, speedups over each baseline and observed / theoretical speedup, where
 theoretical = E[tokens per pass] / (1 + k c) (Leviathan et al. 2023) with the per-token
 acceptance probability of batchspec.contract, c = draft/target parameter ratio, and
@@ -27,8 +28,8 @@ from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.tools import hfref
 from batchspec.tools.evaluate import load_prompts
 
-METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive", "ngram",
-           "suffix", "suffix-adaptive")
+METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive",
+           "spec-routed", "ngram", "suffix", "suffix-adaptive")
 LOOKUP_METHODS = {"ngram": "ngram", "suffix": "suffix", "suffix-adaptive": "suffix"}
 
 
@@ -103,12 +104,13 @@ def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
                      "docs": models["draft-docs"]}
     drafts = {"plain": {}, "spec": {"default": models["draft"]},
               "spec-domain": domain_drafts, "spec-adaptive": domain_drafts,
+              "spec-routed": {d: f"{path}+suffix" for d, path in domain_drafts.items()},
               **{m: {"default": src} for m, src in LOOKUP_METHODS.items()}}[method]
     # min_acceptance=0: measure speculation itself, without the production fallback.
     return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
                dtype=dtype, seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
                confidence_threshold=threshold, num_threads=threads,
-               adaptive_k=method.endswith("-adaptive"))
+               adaptive_k=method.endswith(("-adaptive", "-routed")))
 
 
 def finish_row(row, k, cost):
