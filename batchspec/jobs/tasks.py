@@ -137,10 +137,11 @@ def run_shard_task(self, job_id: str, shard_id: str) -> str:
                 result.num_tokens, skipped=result.status == "skipped", wall_s=result.wall_s)
 
 
-def submit_job(spec: JobSpec) -> str:
-    """Store the job and enqueue one task per shard. Returns the job id."""
+def submit_job(spec: JobSpec, shards: list | None = None) -> str:
+    """Store the job and enqueue one task per shard (`shards`: the job's plan, when the
+    caller has made it). Returns the job id."""
     spec.job_id = spec.job_id or new_job_id(spec.name)
-    shards = start_job(spec)
+    shards = start_job(spec, shards)
     store = get_store()
     store.create(spec.job_id, spec.to_dict(), shards)
     for shard in shards:
