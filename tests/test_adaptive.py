@@ -100,3 +100,27 @@ def test_estimates_shrink_towards_the_pool():
     # one request that always rejects at depth 0 pulls its own estimate down, not the pool's
     seq.spec.source_depth["d"] = ([0], [40])
     assert policy.depth_probs(seq, "d", 1)[0] < 0.2 < p[0]
+
+
+def test_noisy_timings_are_smoothed_into_lines_in_q_and_monotone_in_b():
+    costs = StepCosts([1, 2], target={1: [2.0, 3.0], 2: [1.0, 3.5], 3: [3.0, 4.0]},
+                      draft={"d": [0.2, 0.1]})
+    costs.smooth()
+    assert [costs.target[q][0] for q in (1, 2, 3)] == pytest.approx([1.5, 2.0, 2.5])
+    assert [costs.target[q][1] for q in (1, 2, 3)] == pytest.approx([3.0, 3.5, 4.0])
+    assert costs.draft["d"] == [0.2, 0.2]
+    falling = StepCosts([1], target={1: [3.0], 2: [1.0]})
+    falling.smooth()                      # slope clipped at 0: the mean everywhere
+    assert falling.target == {1: [2.0], 2: [2.0]}
+
+
+def test_a_burst_of_load_moves_the_overall_ratio_not_one_shape():
+    policy = SpecPolicy(Cfg(), 1024)
+    for key, seconds in ((0, 1.0), (2, 1.0), (2, 1.0)):
+        policy._chosen = (key, 1.0)
+        policy.observe(seconds)
+    policy._chosen = (2, 1.0)
+    policy.observe(8.0)                   # a step 8x slower than predicted
+    assert policy.step_ratio[2] <= 1.1    # its shape's relative ratio moves by <= 2x * 0.1
+    assert policy._ratio(0) == pytest.approx(policy.ratio * policy.step_ratio[0])
+    assert policy._ratio(3) == pytest.approx(policy.ratio * policy.step_ratio[2])  # nearest

@@ -80,13 +80,13 @@ class Engine:
             SuffixProposer(c.suffix_max_tokens, c.suffix_min_prob)
         self.source_label[name] = kind
 
-    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 2,
+    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 3,
                            max_batch: int = 64) -> StepCosts:
         """Time the target over B rows of q = 1..k+1 tokens and each draft over B rows of one
         token, B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
         batches are extrapolated, and the online correction absorbs the error), at a context
-        of ctx_len tokens (fastest of `repeats`). The KV written lands in free blocks and is
-        never read."""
+        of ctx_len tokens (fastest of `repeats`; then smoothed, StepCosts.smooth). The KV
+        written lands in free blocks and is never read."""
         c = self.config
         k = c.num_speculative_tokens
         ctx = max(1, min(ctx_len, self.max_model_len - k - 1))
@@ -118,7 +118,8 @@ class Engine:
         for name, runner in runners.items():
             if runner.path not in measured:
                 measured[runner.path] = [seconds(runner, b, 1) for b in grid]
-            costs.draft[name] = measured[runner.path]
+            costs.draft[name] = list(measured[runner.path])
+        costs.smooth()
         log.info("step costs (ms) at B=%s: target %s; drafts %s", grid,
                  {q: [round(1e3 * t, 2) for t in v] for q, v in costs.target.items()},
                  {n: [round(1e3 * t, 2) for t in v] for n, v in costs.draft.items()})

@@ -38,6 +38,25 @@ class StepCosts:
     def target_s(self, b: int, q: int) -> float:
         return self._at(self.target[q], b) if b > 0 else 0.0
 
+    def smooth(self) -> None:
+        """Measured timings are noisy (a shared machine, one timing per shape): at each batch
+        size, replace the target's times over q = 1..k+1 by their least-squares line in q
+        (slope at least 0: more tokens never cost less), then make every shape's times
+        non-decreasing in B."""
+        qs = sorted(self.target)
+        if len(qs) > 1:
+            q_mean = sum(qs) / len(qs)
+            for i in range(len(self.batch_sizes)):
+                ts = [self.target[q][i] for q in qs]
+                t_mean = sum(ts) / len(ts)
+                slope = max(0.0, sum((q - q_mean) * (t - t_mean) for q, t in zip(qs, ts)) /
+                            sum((q - q_mean) ** 2 for q in qs))
+                for q in qs:
+                    self.target[q][i] = t_mean + slope * (q - q_mean)
+        for values in (*self.target.values(), *self.draft.values()):
+            for i in range(1, len(values)):
+                values[i] = max(values[i], values[i - 1])
+
     def target_tokens_s(self, b: int, num_tokens: int) -> float:
         """Target forward over b rows holding num_tokens tokens in all (ragged windows):
         interpolated between the uniform shapes of q = floor and ceil of the mean."""
@@ -61,7 +80,8 @@ class SpecPolicy:
         self.costs: StepCosts | None = None        # set by the engine when adaptive_k
         # source, or (source, domain) -> (accepted, judged) per depth
         self.pooled: dict[str | tuple, tuple[list[int], list[int]]] = {}
-        self.step_ratio: dict[int, float] = {}     # step key -> EMA of measured / predicted
+        self.ratio = 1.0                            # EMA of measured / predicted, all steps
+        self.step_ratio: dict[int, float] = {}     # step key -> EMA of its ratio / self.ratio
         self._chosen: tuple[int, float] | None = None  # (key, predicted s) of this step
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
@@ -207,22 +227,30 @@ class SpecPolicy:
 
     def _ratio(self, key: int) -> float:
         """Measured / predicted decode-step time (what the start-up costs leave out:
-        sampling, verification, bookkeeping, a busier machine); an untried key borrows the
-        ratio of the nearest tried one."""
-        if key in self.step_ratio or not self.step_ratio:
-            return self.step_ratio.get(key, 1.0)
-        return self.step_ratio[min(self.step_ratio, key=lambda j: (abs(j - key), j))]
+        sampling, verification, bookkeeping, a busier machine): the ratio of all recent
+        steps times the relative ratio of steps of this key; an untried key borrows the
+        relative ratio of the nearest tried one."""
+        rel = self.step_ratio
+        if key not in rel and rel:
+            key = min(rel, key=lambda j: (abs(j - key), j))
+        return self.ratio * rel.get(key, 1.0)
 
     def observe(self, seconds: float, weight: float = 0.1) -> None:
         """Fold the measured time of the step whose lengths choose_lengths chose into the
-        correction of its key. A step more than 10x off the prediction (a one-time build, a
-        pause of the process) is not a cost of its shape and is left out: a shape judged dear
-        is rarely tried again to correct it."""
+        corrections: the overall ratio (which follows the machine's load) and, relative to
+        it, its key's (what the model misses for steps of that shape). A step more than 10x
+        off the prediction (a one-time build, a pause of the process) is left out, and one
+        step moves a key's relative ratio by at most a factor of 2 before averaging, so a
+        burst of load on a busy machine cannot condemn a shape that is rarely retried."""
         if self._chosen is None:
             return
         key, predicted = self._chosen
         self._chosen = None
-        if predicted and 0.1 <= seconds / predicted <= 10.0:
-            r = seconds / predicted
-            self.step_ratio[key] = r if key not in self.step_ratio else \
-                (1 - weight) * self.step_ratio[key] + weight * r
+        if not predicted or not 0.1 <= seconds / predicted <= 10.0:
+            return
+        r = seconds / predicted
+        first = not self.step_ratio
+        rel = min(max(r / self.ratio, 0.5), 2.0) if not first else 1.0
+        self.ratio = r if first else (1 - weight) * self.ratio + weight * r
+        old = self.step_ratio.get(key)
+        self.step_ratio[key] = rel if old is None else (1 - weight) * old + weight * rel
