@@ -116,11 +116,21 @@ def test_noisy_timings_are_smoothed_into_lines_in_q_and_monotone_in_b():
 
 def test_a_burst_of_load_moves_the_overall_ratio_not_one_shape():
     policy = SpecPolicy(Cfg(), 1024)
-    for key, seconds in ((0, 1.0), (2, 1.0), (2, 1.0)):
+    for key in [0] + [2] * 10:
         policy._chosen = (key, 1.0)
-        policy.observe(seconds)
+        policy.observe(1.0)
     policy._chosen = (2, 1.0)
     policy.observe(8.0)                   # a step 8x slower than predicted
     assert policy.step_ratio[2] <= 1.1    # its shape's relative ratio moves by <= 2x * 0.1
     assert policy._ratio(0) == pytest.approx(policy.ratio * policy.step_ratio[0])
     assert policy._ratio(3) == pytest.approx(policy.ratio * policy.step_ratio[2])  # nearest
+
+
+def test_every_tenth_choice_tries_the_other_side():
+    from batchspec.spec.policy import EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    picks = [policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+             for _ in range(2 * EXPLORE)]
+    plain = [i for i, p in enumerate(picks, 1) if p == [0] * 4]
+    assert plain == [EXPLORE, 2 * EXPLORE] and picks[0] == [4] * 4

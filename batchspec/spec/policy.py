@@ -16,6 +16,11 @@ from batchspec.engine.sequence import Sequence
 # domain's and of the domain's in a request's own.
 PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = 0.6, 10, 10, 4
 MAX_P = 0.98
+# Every EXPLORE-th choice takes the other side (plain when the best plan speculates, the best
+# speculating plan when it is plain), so that both sides' timing corrections come from steps
+# of their own: a side never tried would borrow the other's and keep the start-up model's
+# bias between them (e.g. verification costs it leaves out).
+EXPLORE = 10
 
 
 @dataclass
@@ -82,6 +87,8 @@ class SpecPolicy:
         self.pooled: dict[str | tuple, tuple[list[int], list[int]]] = {}
         self.ratio = 1.0                            # EMA of measured / predicted, all steps
         self.step_ratio: dict[int, float] = {}     # step key -> EMA of its ratio / self.ratio
+        self.observed: dict[int, int] = {}         # step key -> steps observed
+        self.num_choices = 0
         self._chosen: tuple[int, float] | None = None  # (key, predicted s) of this step
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
@@ -197,8 +204,9 @@ class SpecPolicy:
         tokens = float(num_rows)
         draft_s = 0.0
         best_n, best_pred = 0, costs.target_tokens_s(num_rows, num_rows)
-        predicted = best_pred
+        plain_pred = predicted = best_pred
         best_rate = tokens / max(predicted * self._ratio(0), 1e-12)
+        spec_n, spec_pred, spec_rate = 0, 0.0, 0.0   # the best plan that speculates
         for n, (neg_survive, d, i) in enumerate(slots, 1):
             _, source, _, is_model = rows[i]
             tokens -= neg_survive
@@ -212,6 +220,11 @@ class SpecPolicy:
             rate = tokens / max(predicted * self._ratio(self._key(n, num_rows)), 1e-12)
             if rate > best_rate:
                 best_n, best_rate, best_pred = n, rate, predicted
+            if rate > spec_rate:
+                spec_n, spec_rate, spec_pred = n, rate, predicted
+        self.num_choices += 1
+        if self.num_choices % EXPLORE == 0 and spec_n:
+            best_n, best_pred = (0, plain_pred) if best_n else (spec_n, spec_pred)
         lengths = [0] * len(rows)
         for _, d, i in slots[:best_n]:
             lengths[i] = max(lengths[i], d + 1)
@@ -251,6 +264,9 @@ class SpecPolicy:
         r = seconds / predicted
         first = not self.step_ratio
         rel = min(max(r / self.ratio, 0.5), 2.0) if not first else 1.0
-        self.ratio = r if first else (1 - weight) * self.ratio + weight * r
-        old = self.step_ratio.get(key)
-        self.step_ratio[key] = rel if old is None else (1 - weight) * old + weight * rel
+        n = self.observed[key] = self.observed.get(key, 0) + 1
+        total = sum(self.observed.values())
+        # a plain mean over the first 1/weight observations, an EMA after
+        self.ratio = r if first else self.ratio + max(weight, 1 / total) * (r - self.ratio)
+        old = self.step_ratio.get(key, rel)
+        self.step_ratio[key] = old + max(weight, 1 / n) * (rel - old)
