@@ -38,7 +38,7 @@ def get_llm(spec: JobSpec):
     when a job needs other models, so a GPU never holds two model sets."""
     config = spec.engine_config(device=os.environ.get("BATCHSPEC_DEVICE") or None)
     key = json.dumps(dataclasses.asdict(config), sort_keys=True)
-    if _engine["key"] != key:
+    if _engine["key"] != key or _engine["llm"].engine.closed:
         _engine.update(key=None, llm=None)
         gc.collect()
         from batchspec.llm import LLM
