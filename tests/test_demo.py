@@ -165,6 +165,7 @@ def test_bench_on_a_target_without_drafts(tiny_llama, prompts_parquet, tmp_path)
             "--batch-sizes", "2", "--temperatures", "0"]
     result = CliRunner().invoke(bench, args + ["--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["hf", "plain", "ngram"]
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == \
+        ["hf", "plain", "ngram", "suffix", "suffix-adaptive"]
     result = CliRunner().invoke(bench, args + ["--methods", "spec"])
     assert result.exit_code == 2 and "need a draft model" in result.output
