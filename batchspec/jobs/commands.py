@@ -142,10 +142,14 @@ def _get_job(store, job_id: str) -> dict:
 def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> dict:
     """Follow a job to its end with a progress bar on stderr (requests, tokens/s)."""
     from tqdm.auto import tqdm
+
+    from batchspec.jobs.tasks import Every, try_reconcile
     job = _get_job(store, job_id)
+    check = Every(5.0, lambda: try_reconcile(job_id, store))
     with tqdm(total=job["requests_total"], unit="req", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:
         while True:
+            check()  # carries the job on if its workers died or Redis restarted
             job = _get_job(store, job_id)
             done = job["requests_completed"] + job["requests_failed"]
             bar.update(min(done + job["requests_in_progress"], bar.total) - bar.n)
@@ -185,7 +189,10 @@ def submit(ctx, config, wait, quiet, **options):
 @click.pass_context
 def status(ctx, job_id, as_json):
     """State, counts and throughput of a job."""
+    from batchspec.jobs.tasks import try_reconcile
     store = _store(ctx)
+    _get_job(store, job_id)
+    try_reconcile(job_id, store)
     job = _get_job(store, job_id)
     # Where running and failed shards are (host, pid, attempt, error): where to look.
     info, states = store.shard_info(job_id), store.shard_states(job_id)

@@ -20,9 +20,8 @@ from batchspec.jobs.outputs import (
     shard_counts,
     shard_path,
     write_shard,
-    write_shard_file,
 )
-from batchspec.jobs.rows import check_columns, prepare_requests, row_ids
+from batchspec.jobs.rows import check_columns, prepare_requests
 from batchspec.jobs.shards import Shard, expand_inputs, plan_shards, read_shard
 from batchspec.jobs.spec import JobSpec, new_job_id
 from batchspec.jobs.summary import claim_output, finalize
@@ -155,15 +154,6 @@ def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
         if driver.busy:  # interrupted: leave the engine clean
             driver.abort()
     return work.result
-
-
-def fail_shard(output: str, shard: Shard, reason: str) -> None:
-    """A shard given up on: every row goes to its errors file in `output`, so no row is lost
-    silently. Its outputs stay absent, so re-running the job tries it again."""
-    fs, root = output_fs(output)
-    rows = [{"id": rid, "error_type": "shard_failed", "message": reason}
-            for rid in row_ids(read_shard(shard), shard)]
-    write_shard_file(fs, root, "errors", shard, rows)
 
 
 def utcnow() -> str:

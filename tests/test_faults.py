@@ -1,0 +1,95 @@
+"""Jobs finish through real faults (docs/operations.md, "Faults"): a kill -9 of a whole
+worker process group mid-shard, and a Redis SIGKILL + restart with AOF mid-job. Real
+redis-server, real `batchspec worker` processes; the lease settings are shortened only
+through their documented environment variables."""
+from __future__ import annotations
+
+import collections
+import json
+import time
+
+import pytest
+import redis
+
+from batchspec.jobs.states import FINAL
+from batchspec.jobs.store import JobStore
+from tests.fixtures_redis import RedisServer, wait_until
+from tests.jobdata import read_dir
+from tests.test_jobs_celery import batchspec, write_rows
+
+# Leases of a few seconds instead of 30: the same code paths, a shorter wait.
+FAST_LEASES = {"BATCHSPEC_LEASE_TTL": "3", "BATCHSPEC_LEASE_RENEW": "0.5",
+               "BATCHSPEC_CHECK_INTERVAL": "1"}
+
+
+def job_state(store: JobStore, job_id: str) -> str | None:
+    try:
+        return (store.get(job_id) or {}).get("state")
+    except redis.ConnectionError:  # Redis restarting
+        return None
+
+
+def assert_each_row_once(out, ids: list[str]):
+    got = read_dir(out, "outputs").column("id").to_pylist()
+    dup = [i for i, n in collections.Counter(got).items() if n > 1]
+    assert not dup, f"rows written twice: {dup}"
+    assert sorted(got) == sorted(ids), f"rows lost: {sorted(set(ids) - set(got))}"
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_worker_group_mid_shard(start_worker, redis_server, slow_model, tmp_path):
+    url = redis_server.rsplit("/", 1)[0] + "/2"  # own database: only these two workers
+    store = JobStore(url)
+    victim = start_worker("victim", url=url, **FAST_LEASES)
+    rescuer = start_worker("rescuer", url=url, **FAST_LEASES)
+    path = write_rows(tmp_path / "k.parquet", [f"row {i}" for i in range(8)],
+                      [150, 150, 150, 150, 8, 8, 8, 8])
+    out = tmp_path / "out"
+    job_id = batchspec(url, "submit", path, "-o", out, "--model", slow_model,
+                       "--shard-size", 2).stdout.strip().splitlines()[-1]
+
+    def victim_generating():
+        info = store.shard_info(job_id)
+        return next((s for s in store.running_progress(job_id)
+                     if info.get(s, {}).get("pid") in victim.pids()), None)
+    shard = wait_until(victim_generating, 180, "the victim to be generating a shard", 0.02)
+    victim.kill()
+    assert not (out / "outputs" / f"part-{shard}.parquet").exists()
+    # The rescuer's periodic check sees the victim's lease expire and re-queues the shard.
+    wait_until(lambda: job_state(store, job_id) in FINAL, 300, "the job to end", 0.2)
+    job = store.get(job_id)
+    assert job["state"] == "completed", rescuer.tail()
+    assert_each_row_once(out, [f"k{i}" for i in range(8)])
+    assert store.attempts(job_id, shard) == 2
+    assert store.shard_info(job_id)[shard]["requeued_at"]
+    assert (out / "_SUCCESS").exists()
+    assert (job["requests_completed"], job["shards_completed"]) == (8, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outage_s", [2])
+def test_redis_sigkill_and_restart_mid_job(start_worker, tmp_path, slow_model, outage_s):
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        worker = start_worker("through-restart", url=server.url, **FAST_LEASES)
+        store = JobStore(server.url, retry_s=30)
+        n = 12
+        path = write_rows(tmp_path / "r.parquet", [f"row {i}" for i in range(n)], [40] * n)
+        out = tmp_path / "out"
+        job_id = batchspec(server.url, "submit", path, "-o", out, "--model", slow_model,
+                           "--shard-size", 2).stdout.strip().splitlines()[-1]
+        wait_until(lambda: "completed" in store.shard_states(job_id).values()
+                   and store.running_progress(job_id), 240, "a shard done, one generating",
+                   0.02)
+        server.kill()
+        time.sleep(outage_s)
+        server.start()
+        wait_until(lambda: job_state(store, job_id) in FINAL, 300, "the job to end", 0.5)
+        assert store.get(job_id)["state"] == "completed", worker.tail()
+        assert (out / "_SUCCESS").exists()
+        assert_each_row_once(out, [f"r{i}" for i in range(n)])
+        doc = json.loads((out / "_job.json").read_text())
+        assert doc["state"] == "completed" and doc["counts"]["requests_completed"] == n
+    finally:
+        server.stop()
