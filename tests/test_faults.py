@@ -93,3 +93,66 @@ def test_redis_sigkill_and_restart_mid_job(start_worker, tmp_path, slow_model, o
         assert doc["state"] == "completed" and doc["counts"]["requests_completed"] == n
     finally:
         server.stop()
+
+
+def test_a_shard_runs_under_one_lease(redis_server, tmp_path):
+    """Start, duplicate delivery, expiry and the race between two noticers, on real Redis."""
+    from batchspec.jobs.shards import Shard
+    store = JobStore(redis_server.rsplit("/", 1)[0] + "/4")
+    shard = Shard(0, str(tmp_path / "x.parquet"), "x", 0, 2)
+    store.create("lease-job", {"output": str(tmp_path / "out")}, [shard])
+    assert store.start_attempt("lease-job", "00000", "w1", ttl_s=30) == 1
+    assert store.start_attempt("lease-job", "00000", "w2", ttl_s=30) == -1  # duplicate
+    assert store.requeue("lease-job", "00000") is False  # lease alive
+    assert store.renew_lease("lease-job", "00000", "w1", 0.2)
+    assert not store.renew_lease("lease-job", "00000", "w2", 30)
+    wait_until(lambda: not store.lease_holder("lease-job", "00000"), 10, "the lease to expire")
+    assert [store.requeue("lease-job", "00000") for _ in range(2)] == [True, False]
+    assert store.shard_states("lease-job") == {"00000": "queued"}
+    assert not store.renew_lease("lease-job", "00000", "w1", 30)  # w1 lost it
+    assert store.start_attempt("lease-job", "00000", "w2", ttl_s=30) == 2
+    assert store.finish_shard("lease-job", "00000", "completed", 2) == 1
+    assert store.lease_holder("lease-job", "00000") is None
+    assert store.start_attempt("lease-job", "00000", "w3", ttl_s=30) == -2  # ended
+
+
+def test_a_slow_step_keeps_its_lease(redis_server, tmp_path):
+    """The lease is renewed from a thread: a step far longer than the TTL (here the main
+    thread sleeping) never lets the shard look dead to reconcile()."""
+    from batchspec.jobs.lease import Lease
+    from batchspec.jobs.shards import Shard
+    from batchspec.jobs.celery_app import use_broker
+    from batchspec.jobs.tasks import reconcile
+    url = redis_server.rsplit("/", 1)[0] + "/4"
+    use_broker(url)  # reconcile() re-sends the shard's task there
+    store = JobStore(url)
+    shard = Shard(0, str(tmp_path / "x.parquet"), "x", 0, 2)
+    store.create("slow-step", {"output": str(tmp_path / "out")}, [shard])
+    assert store.start_attempt("slow-step", "00000", "w1", ttl_s=1) == 1
+    with Lease(store, "slow-step", "00000", "w1", ttl=1, renew=0.2) as lease:
+        for _ in range(4):
+            time.sleep(1.0)  # one "engine step" of a whole TTL
+            reconcile("slow-step", store)
+            assert store.shard_states("slow-step") == {"00000": "running"}
+        assert not lease.lost
+    wait_until(lambda: not store.lease_holder("slow-step", "00000"), 10, "expiry")
+    reconcile("slow-step", store)
+    assert store.shard_states("slow-step") == {"00000": "queued"}
+    assert store.r.llen("batchspec") == 1  # its task, sent once
+
+
+@pytest.mark.slow
+def test_lost_task_messages_are_sent_again(start_worker, redis_server, tiny_llama, tmp_path):
+    """Queued shards whose task messages are gone (as after a Redis restart that lost the
+    last second) are sent again by a worker's periodic check."""
+    url = redis_server.rsplit("/", 1)[0] + "/3"
+    store = JobStore(url)
+    path = write_rows(tmp_path / "m.parquet", [f"row {i}" for i in range(4)], [3] * 4)
+    out = tmp_path / "out"
+    job_id = batchspec(url, "submit", path, "-o", out, "--model", tiny_llama,
+                       "--shard-size", 2).stdout.strip().splitlines()[-1]
+    assert store.r.delete("batchspec") == 1  # the queue, with both messages
+    start_worker("finder", url=url, **FAST_LEASES)
+    wait_until(lambda: job_state(store, job_id) in FINAL, 120, "the job to end", 0.2)
+    assert store.get(job_id)["state"] == "completed"
+    assert_each_row_once(out, [f"m{i}" for i in range(4)])

@@ -272,7 +272,7 @@ class JobStore:
             pipe.exists(self.lease_key(job_id, s))
         return dict(zip(shard_ids, map(bool, pipe.execute()), strict=True))
 
-    def claim_finalize(self, job_id: str, stale_s: float = 300) -> bool:
+    def claim_finalize(self, job_id: str, stale_s: float = 60) -> bool:
         """True when every shard has ended and the job is not final, nor being finalized by
         someone who started less than stale_s ago: the caller finalizes."""
         keys = [self._key(job_id), self._key(job_id, "state")]
@@ -340,13 +340,16 @@ class JobStore:
             pipe.expire(self._key(job_id, part), seconds)
         pipe.execute()
 
-    def broker_messages(self, queue: str, limit: int = 10000) -> list[str] | None:
-        """The raw task messages waiting in the Celery queue `queue` or delivered and not yet
-        acknowledged (kombu's Redis transport keeps those in the `unacked` hash); None when
-        the queue holds more than `limit` (too many to look through)."""
-        if self.r.llen(queue) > limit:
-            return None
-        return self.r.lrange(queue, 0, -1) + self.r.hvals("unacked")
+    def broker_messages(self, queue: str, max_age_s: float) -> list[str]:
+        """The raw task messages waiting in the Celery queue `queue`, and those delivered to
+        a worker less than max_age_s ago and not yet acknowledged (kombu's Redis transport
+        keeps them in the `unacked` hash, their delivery times in `unacked_index`). An
+        older unacknowledged message belongs to a worker that died with it, or is a shard
+        already started (whose lease then speaks for it)."""
+        cutoff = dt.datetime.now(dt.UTC).timestamp() - max_age_s
+        recent = self.r.zrangebyscore("unacked_index", cutoff, "+inf")
+        held = [m for m in (self.r.hmget("unacked", recent) if recent else []) if m]
+        return self.r.lrange(queue, 0, -1) + held
 
     def recent(self, limit: int = 20) -> list[dict]:
         ids = self.r.zrevrange(PREFIX + "jobs", 0, limit - 1)

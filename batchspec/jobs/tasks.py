@@ -46,6 +46,8 @@ _stores: dict[tuple[str, float], JobStore] = {}
 # How long a worker keeps retrying a Redis command before giving up on it (a Redis restart
 # takes seconds; past this, lease expiry and reconcile() recover whatever was left undone).
 WORKER_REDIS_RETRY_S = 40.0
+# Longest wait before a failed shard's next attempt (2 ** attempt seconds, capped).
+RETRY_BACKOFF_MAX_S = 60
 
 
 def get_store(retry_s: float = 0) -> JobStore:
@@ -177,7 +179,7 @@ def _retry_later(task, store: JobStore, job_id: str, shard_id: str, token: str,
     queued shard whose message is missing is sent again by reconcile()."""
     try:
         if store.requeue(job_id, shard_id, token):
-            raise task.retry(exc=exc, countdown=min(60, 2 ** attempt))
+            raise task.retry(exc=exc, countdown=min(RETRY_BACKOFF_MAX_S, 2 ** attempt))
     except Retry:
         raise
     except Exception as e:
@@ -289,13 +291,13 @@ def _record_done(store: JobStore, job_id: str, output: str, shard_id: str) -> bo
 
 
 def _message_shards(store: JobStore) -> set[tuple[str, str]] | None:
-    """(job, shard) of every run_shard task message in the queue or held by a worker; None
-    while the queue is not empty (then its messages are being consumed, and looking through
-    them all would be costly)."""
+    """(job, shard) of every run_shard task message in the queue or recently delivered to a
+    worker (within twice the longest retry backoff); None while the queue is not empty (its
+    messages are being consumed, and looking through them all would be costly)."""
     if store.r.llen(QUEUE):
         return None
     found = set()
-    for raw in store.broker_messages(QUEUE) or []:
+    for raw in store.broker_messages(QUEUE, max_age_s=2 * RETRY_BACKOFF_MAX_S):
         try:
             msg = json.loads(raw)
             msg = msg[0] if isinstance(msg, list) else msg
