@@ -189,6 +189,7 @@ def table(rows: dict[str, list[dict]]) -> str:
               help="Seconds a job may take after its fault before it counts as stuck.")
 def main(kill_trials, redis_trials, rows, shard_size, max_tokens, model, seed, timeout):
     rng = random.Random(seed)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop workers and Redis on the way
     lease = {k: v for k, v in os.environ.items() if k.startswith("BATCHSPEC_LEASE")
              or k == "BATCHSPEC_CHECK_INTERVAL"}
     print(f"lease settings: {lease or 'defaults'}", flush=True)

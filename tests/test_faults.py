@@ -119,9 +119,9 @@ def test_a_shard_runs_under_one_lease(redis_server, tmp_path):
 def test_a_slow_step_keeps_its_lease(redis_server, tmp_path):
     """The lease is renewed from a thread: a step far longer than the TTL (here the main
     thread sleeping) never lets the shard look dead to reconcile()."""
+    from batchspec.jobs.celery_app import use_broker
     from batchspec.jobs.lease import Lease
     from batchspec.jobs.shards import Shard
-    from batchspec.jobs.celery_app import use_broker
     from batchspec.jobs.tasks import reconcile
     url = redis_server.rsplit("/", 1)[0] + "/4"
     use_broker(url)  # reconcile() re-sends the shard's task there

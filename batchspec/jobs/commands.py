@@ -242,15 +242,19 @@ def cancel(ctx, job_id):
                                       "crashed child; solo runs shards in this process.")
 @click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
 @click.option("--hostname", help="Celery node name (default: celery@HOST).")
+@click.option("--stream", is_flag=True, envvar="BATCHSPEC_STREAM",
+              help="Keep each process's engine full across shard tasks (the next shard's "
+                   "rows join the batch while this one's tail generates).")
 @broker_option
 @click.pass_context
-def worker(ctx, device, concurrency, pool, loglevel, hostname):
+def worker(ctx, device, concurrency, pool, loglevel, hostname, stream):
     """Start a Celery worker that runs shards."""
     import os
 
     from batchspec.jobs.celery_app import QUEUE, use_broker
     if device:
         os.environ["BATCHSPEC_DEVICE"] = device  # read by the pool's children
+    os.environ["BATCHSPEC_STREAM"] = "1" if stream else ""
     argv = ["worker", f"--concurrency={concurrency}", f"--pool={pool}",
             f"--loglevel={loglevel}", "-Q", QUEUE]
     use_broker(ctx.obj["broker"]).worker_main(argv + ([f"--hostname={hostname}"] if hostname else []))

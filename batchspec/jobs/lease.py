@@ -110,13 +110,20 @@ class Lease:
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"lease-{job_id}-{shard_id}")
 
-    def __enter__(self) -> Lease:
+    def start(self) -> Lease:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.renew + 5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.renew + 5)
+
+    def __enter__(self) -> Lease:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def _run(self) -> None:
         while not self._stop.wait(self.renew):

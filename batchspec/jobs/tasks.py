@@ -25,14 +25,14 @@ import threading
 import time
 
 import pyarrow.parquet as pq
-from celery.exceptions import Retry
+from celery.signals import worker_process_shutdown
 
 from batchspec.jobs.celery_app import QUEUE, app
 from batchspec.jobs.lease import Lease, check_interval, holder_is_dead, lease_renew, lease_ttl
 from batchspec.jobs.lease import new_token as new_lease_token
 from batchspec.jobs.outputs import output_fs, shard_counts, shard_path, write_shard_file
 from batchspec.jobs.rows import row_ids
-from batchspec.jobs.runner import is_done, run_shard, start_job
+from batchspec.jobs.runner import ShardDriver, ShardWork, is_done, run_shard, start_job
 from batchspec.jobs.shards import Shard, read_shard
 from batchspec.jobs.spec import JobSpec, new_job_id
 from batchspec.jobs.states import FINAL, SHARD_ENDED
@@ -172,26 +172,34 @@ def end_failed(job_id: str, output: str, shard: Shard, reason: str) -> str:
                 error=fail_shard(output, shard, reason))
 
 
-def _retry_later(task, store: JobStore, job_id: str, shard_id: str, token: str,
-                 attempt: int, exc: Exception) -> str:
-    """Give the shard back (queued) and send it again after a backoff. If either step fails
-    (Redis down), the shard is recovered anyway: a running shard's lease expires, and a
-    queued shard whose message is missing is sent again by reconcile()."""
+def give_back(job_id: str, shard: Shard, output: str, token: str, attempt: int,
+              max_attempts: int, exc: Exception) -> str:
+    """A shard whose attempt raised: put it back to queued and send it again after a
+    backoff, or, at its last attempt, end it failed. If Redis cannot be reached, the shard
+    is recovered anyway: a running shard's lease expires, and a queued shard whose message
+    is missing is sent again by reconcile()."""
+    if attempt >= max_attempts:
+        return end_failed(job_id, output, shard, f"{type(exc).__name__}: {exc}")
     try:
-        if store.requeue(job_id, shard_id, token):
-            raise task.retry(exc=exc, countdown=min(RETRY_BACKOFF_MAX_S, 2 ** attempt))
-    except Retry:
-        raise
+        if worker_store().requeue(job_id, shard.id, token):
+            run_shard_task.apply_async((job_id, shard.id),
+                                       countdown=min(RETRY_BACKOFF_MAX_S, 2 ** attempt))
     except Exception as e:
         log.warning("shard %s of job %s not re-sent (%s); it will be by the periodic check",
-                    shard_id, job_id, e)
+                    shard.id, job_id, e)
     return "retry"
 
 
 # --- the shard task ---------------------------------------------------------------------
 
-@app.task(bind=True, name="batchspec.run_shard", max_retries=None, ignore_result=True)
-def run_shard_task(self, job_id: str, shard_id: str) -> str:
+def streaming() -> bool:
+    """BATCHSPEC_STREAM=1 (`batchspec worker --stream`): keep one engine full across shard
+    tasks (see Stream)."""
+    return os.environ.get("BATCHSPEC_STREAM", "") not in ("", "0", "false", "no")
+
+
+@app.task(name="batchspec.run_shard", ignore_result=True)
+def run_shard_task(job_id: str, shard_id: str) -> str:
     store = worker_store()
     if not store.exists(job_id):  # expired or deleted record: nothing to run it against
         log.warning("shard %s of unknown job %s dropped", shard_id, job_id)
@@ -212,35 +220,182 @@ def run_shard_task(self, job_id: str, shard_id: str) -> str:
                  "ended" if attempt == -2 else f"held by {holder}")
         return "duplicate"
     quick = get_store()  # no retries: a Redis outage must not stall engine steps
-    with Lease(quick, job_id, shard_id, token, ttl, lease_renew()) as lease:
+    lease = Lease(quick, job_id, shard_id, token, ttl, lease_renew()).start()
+    handed_over = False
+    try:
         store.update_info(job_id, shard_id, host=socket.gethostname(), pid=os.getpid(),
                           attempt=attempt, started_at=now_iso())
+        # Inside the try: a spec this host cannot serve (model missing here) is retried,
+        # possibly elsewhere, then failed like any other error.
+        spec = JobSpec.from_dict(spec_dict)
+        done = is_done(spec, shard)
+        if attempt > max_attempts and not done:
+            return end_failed(job_id, spec.output, shard, (
+                f"gave up after {max_attempts} attempts: the worker running this shard "
+                f"died or failed each time"))
+        if streaming() and not done:
+            handed_over = True  # the stream ends the shard and stops its lease
+            return STREAM.add(Flight(job_id, shard, spec, token, attempt, lease))
+        result = run_shard(
+            spec, shard, None if done else get_llm(spec), job_id=job_id,
+            should_abort=Every(0.5, lambda: lease.lost or quick.cancel_requested(job_id),
+                               False),
+            on_progress=Every(0.5, lambda n, t: quick.progress(job_id, shard_id, n, t)))
+    except Exception as e:
+        handed_over = False
+        log.exception("shard %s of job %s failed (attempt %d)", shard_id, job_id, attempt)
+        return give_back(job_id, shard, spec_dict["output"], token, attempt, max_attempts, e)
+    finally:
+        if not handed_over:
+            lease.stop()
+    if result.status == "aborted":
+        if lease.lost:  # re-queued by a check that saw our lease expire: not ours now
+            return "lease_lost"
+        return _end(job_id, shard_id, "cancelled")
+    return _end(job_id, shard_id, "completed", result.num_completed, result.num_errors,
+                result.num_tokens, skipped=result.status == "skipped", wall_s=result.wall_s)
+
+
+# --- the streaming worker ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class Flight:
+    """A shard handed to the stream: what it takes to end it."""
+    job_id: str
+    shard: Shard
+    spec: JobSpec
+    token: str
+    attempt: int
+    lease: Lease
+    work: ShardWork | None = None
+
+
+class Stream:
+    """The streaming worker (BATCHSPEC_STREAM=1): one engine per worker process kept full
+    across shard tasks, as `batchspec run` keeps it across shards. A shard task queues its
+    shard's rows in the process's ShardDriver and returns as soon as every row queued so far
+    has been admitted to the batch, so Celery hands the process the next shard while this
+    one's tail is still generating. A thread steps the engine and, when a shard's last row
+    finishes, writes its files and records its end.
+
+    The lease, not the task message, says who runs a shard: a task's message is
+    acknowledged when it hands its shard over, and the shard stays `running` under a lease
+    renewed until its end is recorded. A worker killed with shards in flight loses their
+    leases, and they are re-queued (counted as attempts) like any other. Shards of one job
+    stream together; a shard of another job waits until the engine has drained. A cancelled
+    job's shards in flight stop between steps and write nothing; its queued shards do not
+    start (the task's usual check)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.driver: ShardDriver | None = None
+        self.job_id: str | None = None
+        self.flights: dict[str, Flight] = {}
+        self.thread: threading.Thread | None = None
+        self.cancelled = None
+        self.progress = None
+
+    def add(self, flight: Flight) -> str:
+        """Queue the shard's rows; return once they are all admitted (or the shard ended)."""
+        done: list[tuple[Flight, str, Exception | None]] = []
+        with self.cond:
+            self.cond.wait_for(lambda: not self.flights or self.job_id == flight.job_id)
+            if not self.flights:
+                quick, job_id = get_store(), flight.job_id
+                self.driver = ShardDriver(flight.spec, get_llm(flight.spec), job_id)
+                self.job_id = job_id
+                self.cancelled = Every(0.5, lambda: quick.cancel_requested(job_id), False)
+                self.progress = Every(0.5, self._report, None)
+            flight.work = self.driver.add(flight.shard)
+            if flight.work.result is not None:  # no valid rows: written already
+                done.append((flight, "completed", None))
+            else:
+                self.flights[flight.shard.id] = flight
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._loop, daemon=True,
+                                                   name="batchspec-stream")
+                    self.thread.start()
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: flight.shard.id not in self.flights
+                                   or self.driver.wants_more())
+        for f, outcome, exc in done:
+            self._record(f, outcome, exc)
+        return "streaming"
+
+    def _report(self) -> None:
+        quick = get_store()
+        for f in list(self.flights.values()):
+            quick.progress(f.job_id, f.shard.id, len(f.work.seqs) - f.work.left, 0)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.flights)
+                ended: list[tuple[Flight, str, Exception | None]] = []
+                if self.cancelled():
+                    self.driver.abort()
+                    ended = [(f, "cancelled", None) for f in self.flights.values()]
+                    self.flights.clear()
+                else:
+                    try:
+                        written, _ = self.driver.step()
+                        ended = [(self.flights.pop(w.shard.id), "completed", None)
+                                 for w in written]
+                        self.progress()
+                    except Exception as e:  # the step failed: every shard in flight
+                        log.exception("engine step failed")
+                        self.driver.abort()
+                        ended = [(f, "failed", e) for f in self.flights.values()]
+                        self.flights.clear()
+                if not self.flights:
+                    self.driver = self.job_id = None
+                self.cond.notify_all()
+            for f, outcome, exc in ended:
+                self._record(f, outcome, exc)
+
+    def _record(self, f: Flight, outcome: str, exc: Exception | None) -> None:
+        """Record a shard's end (outside the lock: Redis and finalizing take time). If the
+        store cannot be reached, its lease expires and reconcile() records it."""
         try:
-            # Inside the try: a spec this host cannot serve (model missing here) is
-            # retried, possibly elsewhere, then failed like any other error.
-            spec = JobSpec.from_dict(spec_dict)
-            done = is_done(spec, shard)
-            if attempt > max_attempts and not done:
-                return end_failed(job_id, spec.output, shard, (
-                    f"gave up after {max_attempts} attempts: the worker running this shard "
-                    f"died or failed each time"))
-            result = run_shard(
-                spec, shard, None if done else get_llm(spec), job_id=job_id,
-                should_abort=Every(0.5, lambda: lease.lost
-                                   or quick.cancel_requested(job_id), False),
-                on_progress=Every(0.5, lambda n, t: quick.progress(job_id, shard_id, n, t)))
-        except Exception as e:
-            log.exception("shard %s of job %s failed (attempt %d)", shard_id, job_id, attempt)
-            if attempt < max_attempts:
-                return _retry_later(self, store, job_id, shard_id, token, attempt, e)
-            return end_failed(job_id, spec_dict["output"], shard, f"{type(e).__name__}: {e}")
-        if result.status == "aborted":
-            if lease.lost:  # re-queued by a check that saw our lease expire: not ours now
-                return "lease_lost"
-            return _end(job_id, shard_id, "cancelled")
-        return _end(job_id, shard_id, "completed", result.num_completed, result.num_errors,
-                    result.num_tokens, skipped=result.status == "skipped",
-                    wall_s=result.wall_s)
+            if outcome == "failed":
+                give_back(f.job_id, f.shard, f.spec.output, f.token, f.attempt,
+                          f.spec.max_attempts, exc)
+            elif outcome == "cancelled":
+                _end(f.job_id, f.shard.id, "cancelled")
+            else:
+                r = f.work.result
+                _end(f.job_id, f.shard.id, "completed", r.num_completed, r.num_errors,
+                     r.num_tokens, wall_s=r.wall_s)
+        except Exception:
+            log.exception("end of shard %s of job %s not recorded", f.shard.id, f.job_id)
+        finally:
+            f.lease.stop()
+
+    def release(self) -> None:
+        """Worker shutdown: give every shard in flight back (queued, sent again) so another
+        worker takes it now rather than when its lease expires."""
+        with self.cond:
+            flights = list(self.flights.values())
+            if self.driver is not None:
+                self.driver.abort()
+            self.flights.clear()
+            self.driver = self.job_id = None
+        for f in flights:
+            try:
+                if worker_store().requeue(f.job_id, f.shard.id, f.token):
+                    run_shard_task.apply_async((f.job_id, f.shard.id))
+            except Exception as e:
+                log.warning("shard %s of job %s not given back (%s): its lease will expire",
+                            f.shard.id, f.job_id, e)
+            f.lease.stop()
+
+
+STREAM = Stream()
+
+
+@worker_process_shutdown.connect
+def _release_stream(**_):
+    STREAM.release()
 
 
 def submit_job(spec: JobSpec) -> str:
