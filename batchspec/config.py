@@ -33,6 +33,25 @@ def default_dtype(model: str, device: str) -> str:
     return "bfloat16" if stored == "bfloat16" and cpu_has_native_bf16() else "float32"
 
 
+def check_device(device: str) -> None:
+    """Raise ValueError, saying what to do, for a device this process cannot use."""
+    import re
+    if device in ("auto", "cpu"):
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    import torch
+    if not torch.cuda.is_available():
+        why = ("this torch build has no CUDA (torch " + torch.__version__ + ")"
+               if torch.version.cuda is None else "no CUDA device is visible")
+        raise ValueError(f"device {device!r} is not available: {why}; use --device cpu "
+                         f"(or auto)")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} "
+                         f"CUDA device(s) are visible")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -95,6 +114,7 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        check_device(self.device)
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,7 +1,10 @@
 """Sampling parameters of one request (vLLM's field names and defaults)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+SEED_RANGE = (-2**63, 2**63)   # a seed is an int64
 
 
 @dataclass
@@ -16,8 +19,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
@@ -26,6 +29,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits (|seed| < 2**63), got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]

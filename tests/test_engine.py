@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from batchspec import LLM, SamplingParams
-from batchspec.layers.sampler import filtered_probs
+from batchspec.spec.verify_torch import target_probs
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,8 @@ def test_sampling_follows_the_distribution(model_factory, temperature, top_k, to
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     counts = np.bincount([o.token_ids[0] for o in outs], minlength=12)
     logits = llm.engine.target.forward([prompt], [0], [[0]], [1])  # cache block 0 is free
-    p = filtered_probs(logits, torch.tensor([temperature]), [top_k], [top_p])[0].numpy()
+    p = target_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]),
+                     torch.tensor([top_p]))[1][0].numpy()
     assert counts[p == 0].sum() == 0  # filtered tokens never appear
     keep = p > 0
     expected = p[keep].astype(np.float64)

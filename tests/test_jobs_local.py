@@ -79,11 +79,15 @@ def test_rerun_runs_only_missing_shards(job_out, inputs, tiny_llama, tiny_draft)
     after = read_dir(out, "outputs")
     key = ["id", "text", "token_ids", "finish_reason"]
     assert after.select(key).sort_by("id").equals(before.select(key).sort_by("id"))
-    # A finished job re-run touches nothing.
+    # A finished job re-run is reported, not run: _job.json stays byte for byte.
+    job_json = (out / "_job.json").read_bytes()
     result = run_cli("run", *inputs, "-o", out, "--model", tiny_llama,
                      "--draft", f"default={tiny_draft}", "--draft", "code=ngram",
                      "--max-tokens", 6, "--shard-size", 2, "--seed", 3)
-    assert json.loads((out / "_job.json").read_text())["shards_run"] == []
+    assert result.exit_code == 0 and "already complete: job " in result.stderr
+    assert result.stdout.strip() == doc["job_id"]
+    assert (out / "_job.json").read_bytes() == job_json
+    assert all(os.stat(out / "outputs" / p).st_mtime_ns == t for p, t in stamps.items())
 
 
 def test_output_dir_of_another_job_is_refused(job_out, inputs, tiny_llama):
@@ -121,7 +125,8 @@ def test_plain_decoding_yaml_template_chat(tmp_path, tiny_llama):
     (["{a}", "--model", "/no/such/model"], "is not a directory"),
     (["{a}", "--draft", "code"], "DOMAIN=PATH"),
     (["{a}", "--shard-size", "0"], "shard_size must be >= 1"),
-    (["{a}", "--temperature", "-1"], "temperature must be >= 0"),
+    (["{a}", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["{a}", "--device", "cuda:7"], "device 'cuda:7'"),
     (["{a}", "--template", "{nope}"], "lacks the column(s) ['nope']"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(args, message, inputs, tiny_llama, tmp_path):
@@ -130,8 +135,8 @@ def test_bad_input_fails_fast_with_a_clear_message(args, message, inputs, tiny_l
         args += ["--model", tiny_llama]
     result = run_cli("run", *args, "-o", tmp_path / "out")
     assert result.exit_code == 1
-    assert message in result.stderr
-    assert not (tmp_path / "out" / "outputs").exists()
+    assert message in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()       # nothing written, not even _plan.json
 
 
 def test_unknown_yaml_setting(tmp_path, tiny_llama):

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from batchspec import LLM, SamplingParams
-from batchspec.layers.sampler import filtered_probs
+from batchspec.spec.verify_torch import target_probs
 
 PROMPTS = ["def foo(x):\n    return x", "import os\nimport sys\nimport os", "a b a b a b a",
            "The quick brown fox jumps over the lazy dog", "x"]
@@ -145,8 +145,8 @@ def exact_joint(llm, prompt, n_tokens, temperature, top_p):
         ids = torch.tensor([prompt + list(seq)])
         with torch.no_grad():
             logits = hf(ids).logits[0, len(prompt) - 1:]
-        probs = filtered_probs(logits, torch.full((len(logits),), temperature),
-                               [0] * len(logits), [top_p] * len(logits))
+        _, probs = target_probs(logits, torch.full((len(logits),), temperature),
+                                None, torch.full((len(logits),), top_p))
         prefix = 1.0
         for j, t in enumerate(seq):
             prefix *= float(probs[j, t])

@@ -237,8 +237,9 @@ class Engine:
                 torch.nn.functional.one_hot(torch.tensor(s.proposal.token_ids), V).float()
                 for s in sampling if s.num_drafts]).to(dev)
         top_k = top_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32, device=dev)
+        if any(p.top_k > 0 for p in params):   # top_k >= V keeps every token (and fits int32)
+            top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params],
+                                 dtype=torch.int32, device=dev)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         return VerifyMetadata(

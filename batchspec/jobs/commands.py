@@ -10,8 +10,10 @@ BATCHSPEC_* environment variables. What a job computes (inputs, sampling, templa
 given explicitly, so a stale variable never changes a job's outputs silently."""
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import re
 import sys
 import time
 
@@ -88,14 +90,61 @@ broker_option = click.option(
     help="Redis URL of the broker, result backend and job store.")
 
 
+def _redis_url() -> str:
+    """The broker URL of the running command, its password masked."""
+    ctx = click.get_current_context(silent=True)
+    url = (ctx.obj or {}).get("broker") if ctx is not None else None
+    url = url or DEFAULT_REDIS_URL
+    return re.sub(r"(://[^:/@]*:)[^@]+@", r"\1***@", url)
+
+
+def redis_problem(e: Exception) -> str | None:
+    """One line for a Redis failure a user can fix, or None if `e` is not one."""
+    import redis
+    from kombu.exceptions import OperationalError
+    url = _redis_url()
+    text = str(e).lower()
+    if isinstance(e, redis.AuthenticationError) or "noauth" in text or "wrongpass" in text \
+            or "invalid password" in text:
+        return (f"Redis at {url} refused the credentials ({e}): put the right password in "
+                f"the URL, redis://:PASSWORD@HOST:PORT/DB")
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OperationalError)):
+        why = "connection refused" if "refused" in text else str(e).strip().rstrip(".")
+        return (f"cannot reach Redis at {url} ({why}): start redis-server, or pass --broker "
+                f"/ set BATCHSPEC_REDIS_URL")
+    if isinstance(e, ValueError) and "redis url" in text:
+        return f"invalid Redis URL {url}: use redis://HOST:PORT/DB (or rediss://, unix://)"
+    return None
+
+
+def os_problem(e: OSError) -> str:
+    what = f" ({e.filename})" if e.filename else ""
+    hint = {errno.ENOSPC: ": free some space or write to another output",
+            errno.EROFS: ": the filesystem is read-only; write to another output",
+            errno.EACCES: ": check the permissions, or write to another output",
+            errno.ENOTDIR: ": a part of the path is a file"}.get(e.errno, "")
+    return f"{e.strerror or e}{what}{hint}"
+
+
 def clear_errors(fn):
-    """Turn bad input (a ValueError / missing file) into a one-line error and exit 1."""
+    """Turn a condition a user can cause (bad input, a missing file, Redis unreachable, a
+    full or read-only disk) into a one-line error and exit 1: no traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError) as e:
-            raise click.ClickException(str(e)) from e
+        except click.ClickException:
+            raise
+        except Exception as e:
+            message = redis_problem(e)
+            if message is None and isinstance(e, OSError) and not isinstance(
+                    e, FileNotFoundError):
+                message = os_problem(e)
+            elif message is None and isinstance(e, (ValueError, FileNotFoundError)):
+                message = str(e)
+            if message is None:
+                raise
+            raise click.ClickException(message) from e
     return wrapper
 
 
@@ -112,24 +161,46 @@ def _report(doc: dict) -> None:
                f"failed; acceptance rate {rate}; {doc['spec']['output']}", err=True)
 
 
+def _already_complete(doc: dict) -> None:
+    c = doc["counts"]
+    click.echo(f"already complete: job {doc['job_id']}, {c['requests_completed']}/"
+               f"{c['requests_total']} requests ({c['requests_failed']} failed) in "
+               f"{doc['spec']['output']}; nothing to run (--overwrite runs it again)", err=True)
+    click.echo(doc["job_id"])
+
+
+overwrite_option = click.option(
+    "--overwrite", is_flag=True,
+    help="Delete the output directory's job files (outputs/, acceptance/, errors/, _job.json, "
+         "_plan.json, _SUCCESS) and run the job again. Without it, a completed job is "
+         "reported, an interrupted one resumed.")
+
+
 @click.command()
 @job_options
+@overwrite_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @clear_errors
-def run(config, quiet, **options):
+def run(config, quiet, overwrite, **options):
     """Run a job in this process: INPUT... Parquet files, globs or URLs -> -o OUT."""
     from batchspec.jobs.runner import run_local
-    doc = run_local(build_spec(config, **options), progress=not quiet)
+    doc = run_local(build_spec(config, **options), progress=not quiet, overwrite=overwrite)
+    if doc.get("already_complete"):
+        _already_complete(doc)
+        return
     _report(doc)
     click.echo(doc["job_id"])
     sys.exit(0 if doc["state"] in SUCCESS else 1)
 
 
 def _store(ctx):
+    """The job store of --broker, checked to answer (a one-line error if it does not)."""
     from batchspec.jobs.celery_app import use_broker
     from batchspec.jobs.tasks import get_store
     use_broker(ctx.obj["broker"])
-    return get_store()
+    store = get_store()
+    store.r.ping()
+    return store
 
 
 def _get_job(store, job_id: str) -> dict:
@@ -161,16 +232,27 @@ def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> 
 
 @click.command()
 @job_options
+@overwrite_option
 @broker_option
 @click.option("--wait", is_flag=True, help="Follow the job to its end (progress on stderr).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar with --wait.")
 @click.pass_context
 @clear_errors
-def submit(ctx, config, wait, quiet, **options):
+def submit(ctx, config, wait, quiet, overwrite, **options):
     """Submit a job to the Celery workers; prints the job id (last line of stdout)."""
-    store = _store(ctx)
+    store = _store(ctx)               # Redis first: nothing is written if it is not there
+    from batchspec.jobs.runner import plan_job
+    from batchspec.jobs.summary import check_output, clear_output
     from batchspec.jobs.tasks import submit_job
-    job_id = submit_job(build_spec(config, **options))
+    spec = build_spec(config, **options)
+    shards = plan_job(spec)
+    done = check_output(spec.to_dict(), shards)
+    if done is not None and not overwrite:
+        _already_complete(done)
+        return
+    if overwrite:
+        clear_output(spec.output)
+    job_id = submit_job(spec, shards)
     if not wait:
         click.echo(job_id)
         return
@@ -187,6 +269,7 @@ def submit(ctx, config, wait, quiet, **options):
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
 @broker_option
 @click.pass_context
+@clear_errors
 def status(ctx, job_id, as_json):
     """State, counts and throughput of a job."""
     from batchspec.jobs.tasks import try_reconcile
@@ -209,6 +292,7 @@ def status(ctx, job_id, as_json):
 @click.option("--limit", type=int, default=20, show_default=True, help="How many jobs.")
 @broker_option
 @click.pass_context
+@clear_errors
 def jobs(ctx, limit):
     """Recent jobs, newest first."""
     click.echo(f"{'JOB':40} {'STATE':22} {'SHARDS':>9} {'REQUESTS':>16} CREATED")
@@ -222,6 +306,7 @@ def jobs(ctx, limit):
 @click.argument("job_id")
 @broker_option
 @click.pass_context
+@clear_errors
 def cancel(ctx, job_id):
     """Cancel a job: running shards stop between engine steps, queued ones do not start."""
     store = _store(ctx)
@@ -247,12 +332,15 @@ def cancel(ctx, job_id):
                    "rows join the batch while this one's tail generates).")
 @broker_option
 @click.pass_context
+@clear_errors
 def worker(ctx, device, concurrency, pool, loglevel, hostname, stream):
     """Start a Celery worker that runs shards."""
     import os
 
+    from batchspec.config import check_device
     from batchspec.jobs.celery_app import QUEUE, use_broker
     if device:
+        check_device(device)
         os.environ["BATCHSPEC_DEVICE"] = device  # read by the pool's children
     os.environ["BATCHSPEC_STREAM"] = "1" if stream else ""
     argv = ["worker", f"--concurrency={concurrency}", f"--pool={pool}",

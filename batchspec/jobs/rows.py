@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pyarrow as pa
 
 from batchspec.contract import Request, RequestError
-from batchspec.jobs.shards import Shard
+from batchspec.jobs.shards import Shard, read_shard
 from batchspec.sampling import SamplingParams
 
 FLOAT_OVERRIDES = ("temperature", "top_p")
@@ -40,9 +40,21 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
+def used_columns(names: list[str], template: str | None) -> list[str]:
+    """The columns a row's request is made of; others are never read."""
+    wanted = {"id", "domain", *OVERRIDES}
+    wanted |= set(template_fields(template)) if template is not None else {"prompt", "messages"}
+    return [n for n in dict.fromkeys(names) if n in wanted]
+
+
 def check_columns(path: str, schema: pa.Schema, template: str | None) -> None:
-    """Fail fast, before any row runs, when a file cannot give prompts at all."""
+    """Fail fast, before any row runs, when a file cannot give prompts at all, or names a
+    column it uses twice."""
     names = set(schema.names)
+    twice = [n for n in used_columns(schema.names, template) if schema.names.count(n) > 1]
+    if twice:
+        raise ValueError(f"input {path!r} has more than one column named {twice[0]!r}: "
+                         f"rename or drop the extra one(s)")
     if template is not None:
         missing = [f for f in template_fields(template) if f not in names]
         if missing:
@@ -96,16 +108,55 @@ def _prompt(row: dict, template: str | None, chat: bool):
     return [{"role": "user", "content": prompt}] if chat else prompt
 
 
-def _row_id(row: dict, shard: Shard, i: int) -> str:
-    value = row.get("id")
+def read_rows(table: pa.Table, template: str | None) -> tuple[list[dict], dict[int, str]]:
+    """The used columns of a shard's table as one dict per row, converted column by column:
+    a value Python cannot hold (a timestamp past year 9999, ...) fails only its own row.
+    Returns (rows, {row index: why it could not be read})."""
+    rows: list[dict] = [{} for _ in range(len(table))]
+    unreadable: dict[int, str] = {}
+    for name in used_columns(table.column_names, template):
+        column = table.column(name)
+        try:
+            values = column.to_pylist()
+        except (ValueError, OverflowError, ArithmeticError, pa.ArrowException):
+            values = []
+            for i in range(len(column)):
+                try:
+                    values.append(column[i].as_py())
+                except (ValueError, OverflowError, ArithmeticError, pa.ArrowException) as e:
+                    values.append(None)
+                    unreadable.setdefault(i, f"column {name!r}: {e}")
+        for row, value in zip(rows, values, strict=True):
+            row[name] = value
+    return rows, unreadable
+
+
+def row_id(value, shard: Shard, i: int) -> str:
+    """The id of row i of a shard: its `id` value, or SOURCE:ROW when that is null/empty."""
     if value is None or (isinstance(value, str) and not value):
         return f"{shard.source}:{shard.start + i}"
     return str(value)
 
 
+def _row_id(row: dict, shard: Shard, i: int) -> str:
+    return row_id(row.get("id"), shard, i)
+
+
 def row_ids(table: pa.Table, shard: Shard) -> list[str]:
     ids = table.column("id").to_pylist() if "id" in table.column_names else [None] * len(table)
-    return [_row_id({"id": v}, shard, i) for i, v in enumerate(ids)]
+    return [row_id(v, shard, i) for i, v in enumerate(ids)]
+
+
+def shard_row_ids(shard: Shard) -> list[str]:
+    """A shard's row ids for its error rows, even when the shard cannot be read: its id
+    column if that reads, else SOURCE:ROW ids."""
+    try:
+        table = read_shard(shard, columns=["id"])
+        if "id" in table.column_names and len(table) == shard.num_rows:
+            return row_ids(table, shard)
+    except Exception:  # noqa: BLE001 - any read failure: the plan still knows the rows
+        pass
+    return [row_id(None, shard, i) for i in range(shard.num_rows)]
 
 
 def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
@@ -118,12 +169,17 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
     requests: list[Request] = []
     errors: list[dict] = []
     seen: set[str] = set()
-    for i, row in enumerate(table.to_pylist()):
+    duplicates = set(shard.duplicate_rows)
+    rows, unreadable = read_rows(table, template)
+    for i, row in enumerate(rows):
         rid = _row_id(row, shard, i)
         try:
-            if rid in seen:
-                raise RowError("duplicate_id", f"id {rid!r} appears more than once")
+            if rid in seen or i in duplicates:
+                raise RowError("duplicate_id", f"id {rid!r} appears more than once in the job "
+                                               f"(the first row with it runs)")
             seen.add(rid)
+            if i in unreadable:
+                raise RowError("unreadable_value", unreadable[i])
             fields = dict(sampling)
             for name in OVERRIDES:
                 if row.get(name) is not None:

@@ -9,40 +9,54 @@ rename simply runs again."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchspec.jobs.outputs import (
     output_fs,
     shard_counts,
     shard_path,
     write_shard,
+    write_shard_file,
 )
-from batchspec.jobs.rows import check_columns, prepare_requests
-from batchspec.jobs.shards import Shard, expand_inputs, plan_shards, read_shard
+from batchspec.jobs.rows import check_columns, prepare_requests, row_id, shard_row_ids
+from batchspec.jobs.shards import Shard, expand_inputs, mark_duplicates, plan_shards, read_shard
 from batchspec.jobs.spec import JobSpec, new_job_id
-from batchspec.jobs.summary import claim_output, finalize
+from batchspec.jobs.summary import check_output, claim_output, clear_output, finalize
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class ShardResult:
     shard: str
-    status: str             # done | skipped | aborted
+    status: str             # done | skipped | aborted | failed
     num_completed: int = 0  # rows in outputs
     num_errors: int = 0     # rows in errors
     num_tokens: int = 0
     wall_s: float = 0.0
+    error: str | None = None  # why a failed shard failed
 
 
-def start_job(spec: JobSpec) -> list[Shard]:
-    """The job's shards, with the output directory claimed for them. Raises before anything
-    runs for missing or unusable inputs, or an output directory of another job."""
+def plan_job(spec: JobSpec) -> list[Shard]:
+    """The job's shards, with rows whose id an earlier row of the job has marked. Reads
+    the inputs' footers and id columns only; raises for missing or unusable inputs."""
     files = expand_inputs(spec.inputs)
     shards = plan_shards(files, spec.shard_size, check_schema=lambda path, schema:
                          check_columns(path, schema, spec.template))
+    return mark_duplicates(shards, key=lambda shard, i, value: row_id(value, shard, i))
+
+
+def start_job(spec: JobSpec, shards: list[Shard] | None = None) -> list[Shard]:
+    """The job's shards, with the output directory checked and claimed for them. Raises
+    before anything runs for missing or unusable inputs, or an output directory of another
+    job."""
+    shards = plan_job(spec) if shards is None else shards
+    check_output(spec.to_dict(), shards)
     claim_output(spec.to_dict(), shards)
     return shards
 
@@ -62,6 +76,8 @@ class ShardWork:
     left: int
     t0: float
     result: ShardResult | None = None
+    requests: list = field(default_factory=list)   # the Requests behind seqs, in order
+    failed_rows: dict[int, str] = field(default_factory=dict)  # seq index -> engine error
 
 
 class ShardDriver:
@@ -71,22 +87,34 @@ class ShardDriver:
     Queue the next shard whenever `wants_more()` (every queued row has been admitted), and
     the batch stays full across shard boundaries instead of draining each shard's tail."""
 
-    def __init__(self, spec: JobSpec, llm, job_id: str):
+    def __init__(self, spec: JobSpec, llm, job_id: str, contain_failures: bool = True):
+        """contain_failures: a shard that cannot be read or written ends `failed` (its
+        rows in its errors file as far as that can be written) and the others go on, as
+        `batchspec run` wants; False raises instead, for a Celery task to retry."""
         self.spec, self.llm, self.job_id = spec, llm, job_id
+        self.contain_failures = contain_failures
         self._by_seq: dict[int, ShardWork] = {}   # Sequence.seq_id -> its shard
         self.num_tokens = 0
 
     def add(self, shard: Shard) -> ShardWork:
         """Queue the shard's valid rows; a shard with none is written at once."""
         t0 = time.perf_counter()
-        requests, errors = prepare_requests(
-            read_shard(shard), shard, sampling=self.spec.sampling_fields(),
-            make_request=self.llm.make_request, template=self.spec.template,
-            chat=self.spec.chat)
-        seqs = self.llm.add(requests)
-        work = ShardWork(shard, errors, seqs, len(seqs), t0)
-        self._by_seq.update((s.seq_id, work) for s in seqs)
-        if not seqs:
+        try:
+            requests, errors = prepare_requests(
+                read_shard(shard), shard, sampling=self.spec.sampling_fields(),
+                make_request=self.llm.make_request, template=self.spec.template,
+                chat=self.spec.chat)
+        except Exception as e:
+            if not self.contain_failures:
+                raise
+            work = ShardWork(shard, [], [], 0, t0)
+            self._fail(work, f"cannot read the shard's rows: {type(e).__name__}: {e}")
+            return work
+        work = ShardWork(shard, errors, [], 0, t0, requests=requests)
+        work.seqs = self.llm.add(requests)
+        work.left = len(work.seqs)
+        self._by_seq.update((s.seq_id, work) for s in work.seqs)
+        if not work.seqs:
             self._write(work)
         return work
 
@@ -98,33 +126,84 @@ class ShardDriver:
         return bool(self._by_seq)
 
     def step(self) -> tuple[list[ShardWork], int]:
-        """One engine step: (shards written in it, requests finished in it)."""
-        finished, n = self.llm.step()
+        """One engine step: (shards ended in it, requests finished in it)."""
+        try:
+            finished, n = self.llm.step()
+        except Exception:
+            log.exception("an engine step failed; running its requests one at a time to "
+                          "find the row(s) that broke it")
+            return self._replay_alone()
         self.num_tokens += n
-        written = []
+        ended = []
         for seq in finished:
             work = self._by_seq.pop(seq.seq_id)
             work.left -= 1
             if work.left == 0:
                 self._write(work)
-                written.append(work)
-        return written, len(finished)
+                ended.append(work)
+        return ended, len(finished)
+
+    def _replay_alone(self) -> tuple[list[ShardWork], int]:
+        """After a failed step: abort every request in flight and run each again alone. A
+        request's tokens do not depend on its batch (keyed randomness), so the ones that
+        succeed give the outputs they would have; one that fails again goes to its shard's
+        errors with the reason, and the rest of the batch goes on."""
+        works = list({id(w): w for w in self._by_seq.values()}.values())
+        self.llm.engine.abort_all()
+        self._by_seq.clear()
+        num_finished = 0
+        for work in works:
+            for i, seq in enumerate(work.seqs):
+                if seq.finish_reason != "abort":
+                    continue                       # finished before the failed step
+                alone = self.llm.add([work.requests[i]])[0]
+                try:
+                    while not alone.is_finished:
+                        _, n = self.llm.step()
+                        self.num_tokens += n
+                    work.seqs[i] = alone
+                except Exception as e:  # noqa: BLE001 - this row broke the step
+                    self.llm.engine.abort_all()
+                    work.failed_rows[i] = f"{type(e).__name__}: {e}"
+                num_finished += 1
+            self._write(work)
+        return works, num_finished
 
     def abort(self) -> None:
         """Drop every shard in flight, writing nothing: they stay not done."""
         self.llm.engine.abort_all()
         self._by_seq.clear()
 
+    def _fail(self, work: ShardWork, reason: str) -> None:
+        log.error("shard %s failed: %s", work.shard.id, reason)
+        work.result = ShardResult(work.shard.id, "failed", num_errors=work.shard.num_rows,
+                                  wall_s=time.perf_counter() - work.t0, error=reason)
+        try:
+            fail_shard(self.spec.output, work.shard, reason)
+        except Exception:  # noqa: BLE001 - the shard has ended all the same
+            log.exception("could not write the errors of failed shard %s", work.shard.id)
+
     def _write(self, work: ShardWork) -> None:
-        outs = [self.llm.output(s) for s in work.seqs]
+        try:
+            self._write_files(work)
+        except Exception as e:
+            if not self.contain_failures:
+                raise
+            self._fail(work, f"cannot write the shard's files: {type(e).__name__}: {e}")
+
+    def _write_files(self, work: ShardWork) -> None:
+        errors = work.errors + [{"id": work.seqs[i].request_id, "error_type": "engine_error",
+                                 "message": reason} for i, reason in work.failed_rows.items()]
+        outs = [self.llm.output(s) for i, s in enumerate(work.seqs)
+                if i not in work.failed_rows]
         records = [{**o.stats, "job_id": self.job_id, "shard": work.shard.id} for o in outs]
         outputs = [{"id": o.request_id, "text": o.text, "token_ids": list(o.token_ids),
                     "finish_reason": o.finish_reason,
                     "num_prompt_tokens": len(o.prompt_token_ids),
                     "num_output_tokens": len(o.token_ids), "domain": o.domain,
                     "draft": o.draft, "latency_s": o.latency_s} for o in outs]
-        write_shard(self.spec.output, work.shard, outputs, records, work.errors)
-        work.result = ShardResult(work.shard.id, "done", len(outputs), len(work.errors),
+        write_shard(self.spec.output, work.shard, outputs, records, errors)
+        work.result = ShardResult(work.shard.id, "done", len(outputs), len(errors),
                                   sum(len(o.token_ids) for o in outs),
                                   time.perf_counter() - work.t0)
 
@@ -138,7 +217,7 @@ def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
     if fs.exists(shard_path(root, "outputs", shard)):
         n_ok, n_bad = shard_counts(fs, root, shard)
         return ShardResult(shard.id, "skipped", n_ok, n_bad)
-    driver = ShardDriver(spec, llm, job_id)
+    driver = ShardDriver(spec, llm, job_id, contain_failures=False)
     work = driver.add(shard)
     done = 0
     try:
@@ -154,6 +233,15 @@ def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
         if driver.busy:  # interrupted: leave the engine clean
             driver.abort()
     return work.result
+
+
+def fail_shard(output: str, shard: Shard, reason: str) -> None:
+    """A shard given up on: every row goes to its errors file in `output`, so no row is lost
+    silently. Its outputs stay absent, so re-running the job tries it again."""
+    fs, root = output_fs(output)
+    rows = [{"id": rid, "error_type": "shard_failed", "message": reason}
+            for rid in shard_row_ids(shard)]
+    write_shard_file(fs, root, "errors", shard, rows)
 
 
 def utcnow() -> str:
@@ -179,39 +267,61 @@ class Progress:
         self.bar.close()
 
 
-def run_local(spec: JobSpec, progress: bool = True, llm=None) -> dict:
+def run_local(spec: JobSpec, progress: bool = True, llm=None, overwrite: bool = False) -> dict:
     """`batchspec run`: every missing shard in this process, then finalize. Returns the
-    `_job.json` document.
+    `_job.json` document; with "already_complete": True (and nothing written) when the
+    output directory holds this job completed, unless `overwrite` (which clears the
+    directory's job files and runs the job again).
 
-    Shards overlap in the engine: the next shard's requests are queued as soon as every
-    request queued so far has been admitted to the batch, so the batch stays full across
-    shard boundaries instead of draining each shard's tail. A shard's files are written the
-    moment its last request finishes."""
+    Nothing is written before the job can run: inputs are planned, the output directory
+    checked and the models loaded first. Shards overlap in the engine: the next shard's
+    requests are queued as soon as every request queued so far has been admitted to the
+    batch, so the batch stays full across shard boundaries instead of draining each
+    shard's tail. A shard's files are written the moment its last request finishes; a shard
+    that cannot be read or written ends failed and the others go on."""
+    shards = plan_job(spec)
+    done = check_output(spec.to_dict(), shards)
+    if done is not None and not overwrite:
+        return done | {"already_complete": True}
+    if overwrite:
+        clear_output(spec.output)
     job_id = spec.job_id or new_job_id(spec.name)
-    shards = start_job(spec)
-    timings = {"started_at": utcnow()}
-    t0 = time.perf_counter()
     todo = [s for s in shards if not is_done(spec, s)]
-    bar = Progress(sum(s.num_rows for s in shards), progress)
-    bar.advance(sum(s.num_rows for s in shards if s not in todo))
     if todo and llm is None:
         from batchspec.llm import LLM
         llm = LLM.from_config(spec.engine_config())
+    claim_output(spec.to_dict(), shards)
+    timings = {"started_at": utcnow()}
+    t0 = time.perf_counter()
+    bar = Progress(sum(s.num_rows for s in shards), progress)
+    bar.advance(sum(s.num_rows for s in shards if s not in todo))
     pending = deque(todo)
     driver = ShardDriver(spec, llm, job_id) if todo else None
+    failed: dict[str, str] = {}
+
+    def account(work: ShardWork) -> None:
+        if work.result is not None and work.result.status == "failed":
+            failed[work.shard.id] = work.result.error
+            bar.advance(work.shard.num_rows - len(work.errors) - (len(work.seqs) - work.left))
+
     try:
         while pending or (driver is not None and driver.busy):
             while pending and driver.wants_more():
-                bar.advance(len(driver.add(pending.popleft()).errors))
+                work = driver.add(pending.popleft())
+                bar.advance(len(work.errors))
+                account(work)
             if not driver.busy:
                 continue
-            _, n = driver.step()
+            ended, n = driver.step()
             bar.advance(n, driver.num_tokens)
+            for work in ended:
+                account(work)
     finally:
         if driver is not None and driver.busy:  # interrupted: leave the engine clean
             driver.abort()
     bar.close()
     timings.update(finished_at=utcnow(), wall_s=time.perf_counter() - t0)
     return finalize(spec.to_dict() | {"job_id": job_id}, shards, job_id=job_id,
-                    timings=timings, failed_shards={},
-                    extra={"shards_run": [s.id for s in todo]})
+                    timings=timings, failed_shards=failed,
+                    extra={"shards_run": [s.id for s in todo]},
+                    tokens_run=driver.num_tokens if driver is not None else 0)

@@ -8,7 +8,7 @@ and shard size always give the same ids, which is what makes re-running a job re
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import fsspec
 import pyarrow as pa
@@ -24,6 +24,7 @@ class Shard:
     source: str      # short stable name of the file, used to generate missing row ids
     start: int       # first row (within the file)
     num_rows: int
+    duplicate_rows: tuple[int, ...] = ()   # rows (from start) whose id an earlier row has
 
     @property
     def id(self) -> str:
@@ -34,11 +35,16 @@ class Shard:
         return f"part-{self.index:05d}.parquet"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.duplicate_rows:
+            del d["duplicate_rows"]
+        else:
+            d["duplicate_rows"] = list(self.duplicate_rows)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Shard:
-        return cls(**d)
+        return cls(**{**d, "duplicate_rows": tuple(d.get("duplicate_rows", ()))})
 
 
 def _is_url(path: str) -> bool:
@@ -124,8 +130,9 @@ def plan_shards(files: list[str], shard_size: int,
     return shards
 
 
-def read_shard(shard: Shard) -> pa.Table:
-    """The shard's rows, reading only the row groups that hold them."""
+def read_shard(shard: Shard, columns: list[str] | None = None) -> pa.Table:
+    """The shard's rows (of `columns`, default all), reading only the row groups that hold
+    them."""
     pf = _open_parquet(shard.path)
     first = offset = 0
     groups = []
@@ -137,5 +144,44 @@ def read_shard(shard: Shard) -> pa.Table:
                 first = offset
             groups.append(i)
         offset += n
-    table = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
+    table = pf.read_row_groups(groups, columns=columns) if groups else \
+        pf.schema_arrow.empty_table()
     return table.slice(shard.start - first, shard.num_rows)
+
+
+def iter_column(path: str, name: str):
+    """(row, value) of one column of a file, row group by row group; a row group that
+    cannot be read is skipped (the shards that need it fail when they run)."""
+    pf = _open_parquet(path)
+    if name not in pf.schema_arrow.names:
+        return
+    row = 0
+    for i in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(i).num_rows
+        try:
+            values = pf.read_row_group(i, columns=[name]).column(0).to_pylist()
+        except (OSError, ValueError, OverflowError, pa.ArrowException):
+            values = None
+        if values is not None:
+            yield from enumerate(values, row)
+        row += n
+
+
+def mark_duplicates(shards: list[Shard], key) -> list[Shard]:
+    """Shards with duplicate_rows set: rows whose key(shard, row, id value) an earlier row
+    of the job has (within the file or in an earlier file). Reads only the id columns."""
+    by_file: dict[str, list[Shard]] = {}
+    for s in shards:
+        by_file.setdefault(s.path, []).append(s)
+    seen: set[str] = set()
+    dups: dict[int, list[int]] = {}
+    for path, file_shards in by_file.items():
+        values = dict(iter_column(path, "id"))
+        for s in file_shards:
+            for i in range(s.num_rows):
+                k = key(s, i, values.get(s.start + i))
+                if k in seen:
+                    dups.setdefault(s.index, []).append(i)
+                seen.add(k)
+    return [replace(s, duplicate_rows=tuple(dups[s.index])) if s.index in dups else s
+            for s in shards]

@@ -30,10 +30,16 @@ from celery.signals import worker_process_shutdown
 from batchspec.jobs.celery_app import QUEUE, app
 from batchspec.jobs.lease import Lease, check_interval, holder_is_dead, lease_renew, lease_ttl
 from batchspec.jobs.lease import new_token as new_lease_token
-from batchspec.jobs.outputs import output_fs, shard_counts, shard_path, write_shard_file
-from batchspec.jobs.rows import row_ids
-from batchspec.jobs.runner import ShardDriver, ShardWork, is_done, run_shard, start_job
-from batchspec.jobs.shards import Shard, read_shard
+from batchspec.jobs.outputs import output_fs, shard_counts, shard_path
+from batchspec.jobs.runner import (
+    ShardDriver,
+    ShardWork,
+    fail_shard,
+    is_done,
+    run_shard,
+    start_job,
+)
+from batchspec.jobs.shards import Shard
 from batchspec.jobs.spec import JobSpec, new_job_id
 from batchspec.jobs.states import FINAL, SHARD_ENDED
 from batchspec.jobs.store import JobStore, now_iso
@@ -144,32 +150,17 @@ def _end(job_id: str, shard_id: str, outcome: str, ok: int = 0, bad: int = 0,
     return outcome
 
 
-def fail_shard(output: str, shard: Shard, reason: str) -> str:
-    """A shard given up on: every row goes to its errors file in `output` with the reason,
-    so no row is lost silently (its outputs stay absent, so re-running the job tries it
-    again). Never raises: what cannot be written (a full disk, rows that cannot be read) is
-    added to the returned reason, which the job store records."""
-    try:
-        ids = row_ids(read_shard(shard), shard)
-    except Exception as e:  # unreadable rows: name them by position
-        ids = [f"{shard.source}:{shard.start + i}" for i in range(shard.num_rows)]
-        reason = f"{reason}; rows unreadable ({type(e).__name__}: {e})"
-    try:
-        fs, root = output_fs(output)
-        write_shard_file(fs, root, "errors", shard, [
-            {"id": rid, "error_type": "shard_failed", "message": reason} for rid in ids])
-    except Exception as e:
-        log.exception("errors file of shard %s not written", shard.id)
-        reason = f"{reason}; errors file not written ({type(e).__name__}: {e})"
-    return reason
-
-
 def end_failed(job_id: str, output: str, shard: Shard, reason: str) -> str:
-    """End a shard as failed whatever else is broken: write what can be written, record the
-    rest in the job store. Should the store be unreachable too, the shard's lease expires
+    """End a shard as failed whatever else is broken: its rows go to its errors file with
+    the reason (`shard_failed`) if that can be written, and the job store records the end
+    either way. Should the store be unreachable too, the shard's lease expires
     and a later delivery ends it."""
-    return _end(job_id, shard.id, "failed", bad=shard.num_rows,
-                error=fail_shard(output, shard, reason))
+    try:
+        fail_shard(output, shard, reason)
+    except Exception as e:  # a full disk, say: the store still records the end
+        log.exception("errors file of shard %s of job %s not written", shard.id, job_id)
+        reason = f"{reason}; errors file not written ({type(e).__name__}: {e})"
+    return _end(job_id, shard.id, "failed", bad=shard.num_rows, error=reason)
 
 
 def give_back(job_id: str, shard: Shard, output: str, token: str, attempt: int,
@@ -398,10 +389,11 @@ def _release_stream(**_):
     STREAM.release()
 
 
-def submit_job(spec: JobSpec) -> str:
-    """Store the job and enqueue one task per shard. Returns the job id."""
+def submit_job(spec: JobSpec, shards: list | None = None) -> str:
+    """Store the job and enqueue one task per shard (`shards`: the job's plan, when the
+    caller has made it). Returns the job id."""
     spec.job_id = spec.job_id or new_job_id(spec.name)
-    shards = start_job(spec)
+    shards = start_job(spec, shards)
     store = get_store()
     store.create(spec.job_id, spec.to_dict(), shards)
     for shard in shards:

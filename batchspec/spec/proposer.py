@@ -18,9 +18,8 @@ import torch
 
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sequence import Sequence
-from batchspec.layers.sampler import filtered_probs
-from batchspec.spec.rng import STREAM_DRAFT
-from batchspec.spec.verify import uniform
+from batchspec.spec.rng import STREAM_DRAFT, uniform_compiled
+from batchspec.spec.verify_torch import target_probs
 
 
 @dataclass
@@ -28,6 +27,18 @@ class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None      # [n, V] fp32 draft distribution q, None: one-hot
     stopped_by_confidence: bool = False
+
+
+def draft_probs(logits: torch.Tensor, temperature: torch.Tensor, seqs: list[Sequence]):
+    """The draft's sampling distribution q [R, V]: temperature, top-k, top-p by the same
+    rule as the target's p (verify_torch.target_probs); T = 0 rows use T = 1 (their q only
+    serves the confidence rule)."""
+    V = logits.shape[-1]
+    top_k = [min(s.params.top_k, V) for s in seqs]
+    top_p = [s.params.top_p for s in seqs]
+    return target_probs(logits, temperature,
+                        torch.tensor(top_k) if any(top_k) else None,
+                        torch.tensor(top_p) if any(p < 1.0 for p in top_p) else None)[1]
 
 
 class DraftModelProposer:
@@ -57,12 +68,11 @@ class DraftModelProposer:
             tokens = logits.argmax(-1)
             q = None  # greedy rows need q only for the confidence rule
             if not all_greedy or self.threshold > 0:
-                q = filtered_probs(logits, temps, [s.params.top_k for s in seqs],
-                                   [s.params.top_p for s in seqs])     # [A, V]
+                q = draft_probs(logits, temps, seqs)                    # [A, V]
             if not all_greedy:  # inverse-CDF draw from q, keyed like verification
-                u = uniform(torch.tensor([s.seed for s in seqs]),
-                            torch.tensor([s.num_output_tokens for s in seqs]),
-                            torch.full((len(seqs),), step), STREAM_DRAFT)
+                u = uniform_compiled(torch.tensor([s.seed for s in seqs]),
+                                     torch.tensor([s.num_output_tokens for s in seqs]),
+                                     torch.full((len(seqs),), step), STREAM_DRAFT)
                 cdf = torch.cumsum(q, dim=-1)
                 sampled = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
                 tokens = torch.where(greedy, tokens, sampled.clamp(max=q.shape[-1] - 1))

@@ -70,6 +70,18 @@ def uniform(seeds, offsets, positions, stream: int = STREAM_ACCEPT, index=0) -> 
     return to_uniform(random_bits(seeds, offsets, positions, stream, index)[0])
 
 
+def uniform_compiled(seeds: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor,
+                     stream: int = STREAM_ACCEPT) -> torch.Tensor:
+    """`uniform` (the same bits) computed by the compiled CPU op when it is available: the
+    torch version costs ~1-2 ms per call in small int64 ops, which would dominate a small
+    draft's step."""
+    if seeds.device.type == "cpu":
+        from batchspec.spec import _build
+        if _build.load_error(cuda=False) is None:
+            return _build.load(cuda=False).uniform(seeds, offsets, positions, stream, 0)
+    return uniform(seeds, offsets, positions, stream)
+
+
 def token_uniforms(seeds, offsets, positions, vocab_size: int, stream: int = STREAM_DRAW):
     """Per-token uniforms [R, V] for rows keyed by seeds/offsets/positions [R]."""
     col = lambda t: torch.as_tensor(t, dtype=torch.int64).reshape(-1, 1)  # noqa: E731

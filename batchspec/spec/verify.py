@@ -99,17 +99,6 @@ def rejection_sample(target_logits, draft_probs, draft_token_ids, cu_num_draft, 
     return ops.rejection_sample(*args, max_n)
 
 
-def uniform(seeds: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor,
-            stream: int) -> torch.Tensor:
-    """batchspec.spec.rng.uniform (same bits), computed by the compiled CPU op when it is
-    available: the torch version costs ~1-2 ms per call in small int64 ops, which would
-    dominate a small draft's step."""
-    if seeds.device.type == "cpu" and resolve_backend("auto", "cpu") == "cpu":
-        return _build.load(cuda=False).uniform(seeds, offsets, positions, stream, 0)
-    from batchspec.spec.rng import uniform as uniform_torch
-    return uniform_torch(seeds, offsets, positions, stream)
-
-
 @dataclass
 class VerifyMetadata:
     """What the verification op needs besides the target logits, for B requests with N

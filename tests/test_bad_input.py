@@ -1,0 +1,219 @@
+"""Bad input and a hostile environment end a job cleanly: odd values fail only their rows,
+an unreadable row group only its shard, a row that breaks the engine only itself; a full or
+read-only disk, an output under a file, Redis unreachable and a missing device give one
+line and no traceback, and nothing is written before the failure is known."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchspec.cli import _register, cli
+from tests.jobdata import read_dir
+
+_register()
+
+
+def run_cli(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def run_job(src, out, model, *extra):
+    return run_cli("run", *([src] if isinstance(src, (str, os.PathLike)) else src), "-o", out,
+                   "--model", model, "--max-tokens", 4, "-q", *extra)
+
+
+def test_odd_values_fail_only_their_rows(tmp_path, tiny_llama):
+    """Overrides out of range, NaN/inf, a huge top_k (valid: keeps every token), and an
+    unused column holding timestamps past year 9999."""
+    n = 8
+    far = pa.array([dt.datetime(2020, 1, 1)] * (n - 1) + [None], pa.timestamp("us")).cast(
+        pa.int64()).to_pylist()
+    far[2] = 18_000 * 365 * 86400 * 10**6             # year ~20000: Python cannot hold it
+    table = pa.table({
+        "id": [f"r{i}" for i in range(n)],
+        "prompt": [f"hello {i}" for i in range(n)],
+        "top_k": [2**40, None, None, None, None, None, None, 3],
+        "temperature": [None, float("nan"), None, float("inf"), None, None, None, None],
+        "seed": [None, None, None, None, 1e30, None, -5.0, None],
+        "when": pa.array(far, pa.int64()).cast(pa.timestamp("us")),
+    })
+    src = tmp_path / "odd.parquet"
+    pq.write_table(table, src)
+    result = run_job(src, tmp_path / "out", tiny_llama, "--template", "{prompt}")
+    assert result.exit_code == 0, result.output
+    errors = {r["id"]: r for r in read_dir(tmp_path / "out", "errors").to_pylist()}
+    assert {k: v["error_type"] for k, v in errors.items()} == {
+        "r1": "invalid_override", "r3": "invalid_override", "r4": "invalid_override"}
+    assert "finite" in errors["r1"]["message"] and "64 bits" in errors["r4"]["message"]
+    ok = sorted(read_dir(tmp_path / "out", "outputs").column("id").to_pylist())
+    assert ok == ["r0", "r2", "r5", "r6", "r7"]      # the unused timestamp column is not read
+    # Used by the template, the unreadable timestamp fails its own row only.
+    result = run_job(src, tmp_path / "out2", tiny_llama, "--template", "{prompt} {when}")
+    errors = {r["id"]: r["error_type"] for r in read_dir(tmp_path / "out2", "errors").to_pylist()}
+    assert errors["r2"] == "unreadable_value"
+    assert "r0" in read_dir(tmp_path / "out2", "outputs").column("id").to_pylist()
+
+
+def test_duplicate_ids_across_the_job_and_ambiguous_columns(tmp_path, tiny_llama):
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    pq.write_table(pa.table({"id": ["x", "y", "z"], "prompt": ["a", "b", "c"]}), a)
+    pq.write_table(pa.table({"id": ["y", "w", "x"], "prompt": ["d", "e", "f"]}), b)
+    result = run_job([a, b], tmp_path / "out", tiny_llama, "--shard-size", 2)
+    assert result.exit_code == 0, result.output
+    out = read_dir(tmp_path / "out", "outputs").to_pylist()
+    assert sorted(r["id"] for r in out) == ["w", "x", "y", "z"]        # each id once
+    firsts = {r["id"]: r["token_ids"] for r in out}
+    errors = read_dir(tmp_path / "out", "errors").to_pylist()
+    assert sorted((e["id"], e["error_type"]) for e in errors) == [
+        ("x", "duplicate_id"), ("y", "duplicate_id")]
+    assert firsts                                                       # first rows ran
+    two = pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["prompt", "prompt"])
+    pq.write_table(two, tmp_path / "two.parquet")
+    result = run_job(tmp_path / "two.parquet", tmp_path / "out3", tiny_llama)
+    assert result.exit_code == 1 and "more than one column named 'prompt'" in result.stderr
+    assert "Traceback" not in result.output and not (tmp_path / "out3").exists()
+
+
+def corrupt_row_group(path, group: int, column: str) -> None:
+    """Overwrite the page header of one column chunk in one row group; the footer stays."""
+    meta = pq.ParquetFile(path).metadata
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    chunk = meta.row_group(group).column(names.index(column))
+    with open(path, "r+b") as f:
+        f.seek(chunk.data_page_offset)
+        f.write(b"\xff" * 24)
+
+
+def test_unreadable_row_group_fails_only_its_shard(tmp_path, tiny_llama):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(12)],
+                             "prompt": [f"text {i}" for i in range(12)]}), src,
+                   row_group_size=4, compression="NONE")
+    corrupt_row_group(src, 1, "prompt")
+    result = run_job(src, tmp_path / "out", tiny_llama, "--shard-size", 4)
+    assert result.exit_code == 0, result.output          # completed_with_errors
+    assert "Traceback" not in result.output
+    doc = json.loads((tmp_path / "out" / "_job.json").read_text())
+    assert doc["state"] == "completed_with_errors" and list(doc["failed_shards"]) == ["00001"]
+    done = sorted(read_dir(tmp_path / "out", "outputs").column("id").to_pylist())
+    assert done == sorted(f"r{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11))
+    errors = read_dir(tmp_path / "out", "errors").to_pylist()
+    assert sorted(e["id"] for e in errors) == [f"r{i}" for i in (4, 5, 6, 7)]
+    assert {e["error_type"] for e in errors} == {"shard_failed"}
+
+
+def test_a_row_that_breaks_the_engine_fails_alone(tmp_path, tiny_llama, monkeypatch):
+    """Rows after a failed step are replayed one at a time: the row that fails again goes
+    to errors/ with the reason; the others give the tokens a clean run gives."""
+    from batchspec.engine.engine import Engine
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)],
+                             "prompt": [f"some words {i}" for i in range(6)]}), src)
+    clean = run_job(src, tmp_path / "clean", tiny_llama, "--temperature", 0.7)
+    assert clean.exit_code == 0
+    check_stop = Engine._check_stop
+
+    def broken(self, seq, new):
+        if seq.request_id == "r3" and seq.num_output_tokens >= 2:
+            raise RuntimeError("simulated kernel fault")
+        return check_stop(self, seq, new)
+
+    monkeypatch.setattr(Engine, "_check_stop", broken)
+    result = run_job(src, tmp_path / "out", tiny_llama, "--temperature", 0.7)
+    assert result.exit_code == 0, result.output
+    errors = read_dir(tmp_path / "out", "errors").to_pylist()
+    assert [(e["id"], e["error_type"]) for e in errors] == [("r3", "engine_error")]
+    assert "simulated kernel fault" in errors[0]["message"]
+    got = {r["id"]: r["token_ids"] for r in read_dir(tmp_path / "out", "outputs").to_pylist()}
+    want = {r["id"]: r["token_ids"] for r in read_dir(tmp_path / "clean", "outputs").to_pylist()}
+    assert got == {k: v for k, v in want.items() if k != "r3"}
+
+
+def test_overwrite_runs_a_completed_job_again(tmp_path, tiny_llama):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a b", "c d"]}), src)
+    assert run_job(src, tmp_path / "out", tiny_llama).exit_code == 0
+    first = json.loads((tmp_path / "out" / "_job.json").read_text())["job_id"]
+    again = run_job(src, tmp_path / "out", tiny_llama)
+    assert again.exit_code == 0 and "already complete" in again.stderr
+    redo = run_job(src, tmp_path / "out", tiny_llama, "--overwrite")
+    assert redo.exit_code == 0
+    doc = json.loads((tmp_path / "out" / "_job.json").read_text())
+    assert doc["job_id"] != first and doc["shards_run"] == ["00000"]
+
+
+def _mount_tmpfs(path, options: str) -> bool:
+    os.makedirs(path, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 96 KiB filesystem (tmpfs; needs root, as CI has)."""
+    path = tmp_path / "disk"
+    if not _mount_tmpfs(path, "size=96k"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield path
+    subprocess.run(["umount", "-l", str(path)])
+
+
+def test_full_disk_ends_the_job_with_one_line(tmp_path, tiny_llama, small_disk):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"word {i} " * 40 for i in range(40)]}), src)
+    with open(small_disk / "filler", "wb") as f:          # leave ~20 KiB
+        f.write(b"\0" * 76 * 1024)
+    result = run_job(src, small_disk / "out", tiny_llama, "--shard-size", 4, "--max-tokens", 24)
+    assert result.exit_code == 1, result.output
+    assert "No space left on device" in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) <= 2
+
+
+def test_read_only_output_and_output_under_a_file(tmp_path, tiny_llama):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a b"]}), src)
+    (tmp_path / "file").write_text("x")
+    result = run_job(src, tmp_path / "file" / "out", tiny_llama)
+    assert result.exit_code == 1 and "is a file" in result.stderr
+    assert "Traceback" not in result.output
+    ro = tmp_path / "ro"
+    if not _mount_tmpfs(ro, "ro,size=64k"):
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        result = run_job(src, ro / "out", tiny_llama)
+        assert result.exit_code == 1 and "read-only" in result.stderr.lower()
+        assert "Traceback" not in result.output
+    finally:
+        subprocess.run(["umount", "-l", str(ro)])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["submit", "status"])
+def test_redis_unreachable_is_one_line_and_writes_nothing(command, tmp_path, tiny_llama):
+    """In a subprocess, as a user runs it: exit 1, one line on stderr, no file written."""
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a b"]}), src)
+    url = f"redis://127.0.0.1:{_free_port()}/0"
+    args = {"submit": ["submit", str(src), "-o", str(tmp_path / "out"), "--model", tiny_llama],
+            "status": ["status", "job-x"], "jobs": ["jobs"], "cancel": ["cancel", "job-x"]}
+    proc = subprocess.run([sys.executable, "-m", "batchspec.cli", *args[command],
+                           "--broker", url], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"Error: cannot reach Redis at {url} (connection refused): start "
+                     f"redis-server, or pass --broker / set BATCHSPEC_REDIS_URL"], proc.stderr
+    assert not (tmp_path / "out").exists()
