@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -71,27 +73,36 @@ def test_kill_9_of_a_worker_group_mid_shard(start_worker, redis_server, slow_mod
 def test_redis_sigkill_and_restart_mid_job(start_worker, tmp_path, slow_model, outage_s):
     (tmp_path / "redis").mkdir()
     server = RedisServer(tmp_path / "redis").start()
+    waiting = None
     try:
         worker = start_worker("through-restart", url=server.url, **FAST_LEASES)
         store = JobStore(server.url, retry_s=30)
         n = 12
         path = write_rows(tmp_path / "r.parquet", [f"row {i}" for i in range(n)], [40] * n)
         out = tmp_path / "out"
-        job_id = batchspec(server.url, "submit", path, "-o", out, "--model", slow_model,
-                           "--shard-size", 2).stdout.strip().splitlines()[-1]
+        # `submit --wait` follows the job through the restart.
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "batchspec.cli", "submit", path, "-o", str(out), "--model",
+             slow_model, "--shard-size", "2", "--wait", "-q", "--broker", server.url],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        job_id = wait_until(lambda: [j["job_id"] for j in store.recent(1)], 60, "the job")[0]
         wait_until(lambda: "completed" in store.shard_states(job_id).values()
                    and store.running_progress(job_id), 240, "a shard done, one generating",
                    0.02)
         server.kill()
         time.sleep(outage_s)
         server.start()
-        wait_until(lambda: job_state(store, job_id) in FINAL, 300, "the job to end", 0.5)
+        stdout, stderr = waiting.communicate(timeout=300)
+        assert waiting.returncode == 0, stderr + worker.tail()
+        assert stdout.strip().splitlines()[-1] == job_id and "completed" in stderr
         assert store.get(job_id)["state"] == "completed", worker.tail()
         assert (out / "_SUCCESS").exists()
         assert_each_row_once(out, [f"r{i}" for i in range(n)])
         doc = json.loads((out / "_job.json").read_text())
         assert doc["state"] == "completed" and doc["counts"]["requests_completed"] == n
     finally:
+        if waiting is not None and waiting.poll() is None:
+            waiting.kill()
         server.stop()
 
 

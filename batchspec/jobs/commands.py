@@ -212,6 +212,7 @@ def _get_job(store, job_id: str) -> dict:
 
 def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> dict:
     """Follow a job to its end with a progress bar on stderr (requests, tokens/s)."""
+    import redis
     from tqdm.auto import tqdm
 
     from batchspec.jobs.tasks import Every, try_reconcile
@@ -219,9 +220,18 @@ def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> 
     check = Every(5.0, lambda: try_reconcile(job_id, store))
     with tqdm(total=job["requests_total"], unit="req", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:
+        down_since = None
         while True:
             check()  # carries the job on if its workers died or Redis restarted
-            job = _get_job(store, job_id)
+            try:
+                job = _get_job(store, job_id)
+                down_since = None
+            except redis.ConnectionError:  # a Redis restart: wait it out, up to a minute
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > 60:
+                    raise
+                time.sleep(1.0)
+                continue
             done = job["requests_completed"] + job["requests_failed"]
             bar.update(min(done + job["requests_in_progress"], bar.total) - bar.n)
             bar.set_postfix_str(f"{job['state']} {job.get('tokens_per_s', 0):.1f} tok/s")

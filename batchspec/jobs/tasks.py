@@ -202,6 +202,8 @@ def run_shard_task(job_id: str, shard_id: str) -> str:
     max_attempts = spec_dict["max_attempts"]
     if store.cancel_requested(job_id):
         return _end(job_id, shard_id, "cancelled")
+    if STREAM.has(job_id, shard_id):  # in flight in this very process
+        return "duplicate"
     token, ttl = new_lease_token(), lease_ttl()
     holder = store.lease_holder(job_id, shard_id)
     attempt = store.start_attempt(job_id, shard_id, token, ttl,
@@ -285,6 +287,10 @@ class Stream:
         self.thread: threading.Thread | None = None
         self.cancelled = None
         self.progress = None
+
+    def has(self, job_id: str, shard_id: str) -> bool:
+        with self.cond:
+            return self.job_id == job_id and shard_id in self.flights
 
     def add(self, flight: Flight) -> str:
         """Queue the shard's rows; return once they are all admitted (or the shard ended)."""
