@@ -12,7 +12,9 @@ Faults (docs/operations.md, "Faults"):
                port and data directory.
 Each trial's job must reach a final state; the table counts rows lost and written twice
 (ids in OUT/outputs), jobs with _SUCCESS, and the time from the kill to the re-queue of the
-shard the dead worker held ("recovery") and to the job's end."""
+shard the dead worker held ("recovery") and to the job's end; "mid-job" counts the trials
+whose fault hit a job still running (the dead worker held a shard; Redis stopped while a
+shard generated)."""
 from __future__ import annotations
 
 import collections
@@ -137,16 +139,20 @@ class Campaign:
         return res
 
     def redis_trial(self, rng: random.Random, sig: int) -> dict:
+        """Redis stopped at a random time while a shard of the job generates."""
         job_id, out, ids = self.submit()
-        time.sleep(rng.uniform(1.0, 6.0))
+        wait_until(lambda: self.store.running_progress(job_id), 120, "a shard generating",
+                   0.02)
+        time.sleep(rng.uniform(0.0, 2.0))
         down = rng.uniform(1.0, 15.0)
+        mid_job = self.state(job_id) not in FINAL
         t_kill = now()
         self.redis.kill(sig)
         time.sleep(down)
         self.redis.start()
         state = self.wait_final(job_id)
         res = self.result(job_id, out, ids, state, t_kill)
-        res["down_s"] = down
+        res["down_s"], res["mid_job"] = down, mid_job
         return res
 
 
@@ -157,7 +163,7 @@ def median(values) -> str:
 
 def table(rows: dict[str, list[dict]]) -> str:
     head = (f"{'fault':16} {'trials':>6} {'final':>6} {'_SUCCESS':>8} {'lost':>5} "
-            f"{'dup':>4} {'held':>4}  {'recovery s (median)':>19} {'to end s (median)':>17}"
+            f"{'dup':>4} {'mid-job':>6}  {'recovery s (median)':>19} {'to end s (median)':>17}"
             "  final states")
     lines = [head, "-" * len(head)]
     for name, res in rows.items():
@@ -168,7 +174,7 @@ def table(rows: dict[str, list[dict]]) -> str:
             f"{name:16} {len(res):>6} {sum(r['state'] in FINAL for r in res):>6} "
             f"{sum(r['success'] for r in res):>8} {sum(r['lost'] for r in res):>5} "
             f"{sum(r['duplicated'] for r in res):>4} "
-            f"{sum(r.get('held', 0) > 0 for r in res) if 'held' in res[0] else '-':>4}  "
+            f"{sum(r.get('held', 0) > 0 or r.get('mid_job', False) for r in res):>6}  "
             f"{median(r.get('recovery_s') for r in res):>19} "
             f"{median(r['to_final_s'] for r in res):>17}  "
             + ", ".join(f"{k} {v}" for k, v in sorted(states.items())))
