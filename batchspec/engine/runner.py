@@ -1,25 +1,28 @@
 """ModelRunner: owns one model's weights and paged KV cache on a device, turns ragged rows of
-tokens into batch tensors and runs the forward pass. Used for the target and each draft."""
+tokens into batch tensors and runs the forward pass. Used for the target and each draft; a
+tensor-parallel target runs one per rank (batchspec.engine.distributed)."""
 from __future__ import annotations
 
 import torch
 
 from batchspec.layers.attention import build_metadata, flash_available
+from batchspec.layers.parallel import SINGLE, TensorParallel
 from batchspec.models.llama import LlamaForCausalLM
-from batchspec.models.loader import load_weights, read_config
+from batchspec.models.loader import Checkpoint, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
-    def __init__(self, path: str, device: str, dtype: str, attention_backend: str = "torch"):
+    def __init__(self, path: str, device: str, dtype: str, attention_backend: str = "torch",
+                 tp: TensorParallel = SINGLE):
         self.path = path
         self.device = torch.device(device)
         self.cfg = read_config(path)
-        weights = load_weights(path)
-        self.num_params = sum(t.numel() for k, t in weights.items()
-                              if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings))
-        self.model = LlamaForCausalLM(self.cfg, weights, DTYPES[dtype], self.device)
+        weights = Checkpoint(path)
+        self.num_params = weights.num_params(
+            skip=("lm_head.weight",) if self.cfg.tie_word_embeddings else ())
+        self.model = LlamaForCausalLM(self.cfg, weights, DTYPES[dtype], self.device, tp)
         del weights
         if attention_backend == "flash" and not flash_available():
             raise RuntimeError("attention_backend='flash' needs CUDA and the flash-attn package")
@@ -55,3 +58,9 @@ class ModelRunner:
         if len(idx) == hidden.shape[0]:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
+
+    closed = False   # a tensor-parallel runner closes for good on a failed call
+
+    def close(self) -> None:
+        """Release what outlives the object's references (nothing here; see
+        distributed.TensorParallelRunner)."""

@@ -45,7 +45,12 @@ JOB_OPTIONS = [
     click.option("--max-tokens", type=int, help="Most tokens generated per row [128]."),
     click.option("--seed", type=int, help="Job seed; each row's seed derives from it and "
                                           "the row id unless the row has a seed [0]."),
-    click.option("--device", envvar="BATCHSPEC_DEVICE", help="auto, cpu, cuda, cuda:N [auto]."),
+    click.option("--device", envvar="BATCHSPEC_DEVICE",
+                 help="auto, cpu, cuda, cuda:N, or one device per tensor-parallel rank "
+                      "(cuda:0,cuda:1) [auto]."),
+    click.option("--tensor-parallel-size", type=int, envvar="BATCHSPEC_TENSOR_PARALLEL_SIZE",
+                 help="Shard the target over this many devices, one process each [one "
+                      "per device listed in --device]."),
     click.option("--dtype", envvar="BATCHSPEC_DTYPE",
                  type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                  help="Model dtype [auto]."),
@@ -70,6 +75,9 @@ JOB_OPTIONS = [
     click.option("--max-attempts", type=int, envvar="BATCHSPEC_MAX_ATTEMPTS", help="Deliveries of a shard before it is "
                                                   "marked failed (Celery) [3]."),
     click.option("--name", help="Job name (prefix of the job id)."),
+    click.option("--output-format", type=click.Choice(["parquet", "openai"]),
+                 help="openai: also write the OpenAI Batch output and error files "
+                      "(OUT/openai/*.jsonl) when the job ends [parquet]."),
 ]
 
 
@@ -154,11 +162,8 @@ def build_spec(config, **options):
 
 
 def _report(doc: dict) -> None:
-    c, s = doc["counts"], doc["summary"]
-    rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"
-    click.echo(f"{doc['state']}: {c['requests_completed']}/{c['requests_total']} requests, "
-               f"{c['requests_failed']} failed (see errors/), {c['shards_failed']} shards "
-               f"failed; acceptance rate {rate}; {doc['spec']['output']}", err=True)
+    from batchspec.jobs.display import ending_of_doc
+    click.echo(ending_of_doc(doc), err=True)
 
 
 def _already_complete(doc: dict) -> None:
@@ -176,14 +181,24 @@ overwrite_option = click.option(
          "reported, an interrupted one resumed.")
 
 
+metrics_option = click.option(
+    "--metrics-port", type=int, envvar="BATCHSPEC_METRICS_PORT",
+    help="Serve Prometheus metrics on this port (/metrics); off by default.")
+
+
 @click.command()
 @job_options
 @overwrite_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@metrics_option
 @clear_errors
-def run(config, quiet, overwrite, **options):
-    """Run a job in this process: INPUT... Parquet files, globs or URLs -> -o OUT."""
+def run(config, quiet, overwrite, metrics_port, **options):
+    """Run a job in this process: INPUT... Parquet or OpenAI Batch (.jsonl) files, globs or
+    URLs -> -o OUT."""
     from batchspec.jobs.runner import run_local
+    if metrics_port:
+        from batchspec.jobs.metrics import serve_local
+        serve_local(metrics_port)
     doc = run_local(build_spec(config, **options), progress=not quiet, overwrite=overwrite)
     if doc.get("already_complete"):
         _already_complete(doc)
@@ -268,8 +283,10 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
         return
     click.echo(f"submitted {job_id}", err=True)
     job = wait_for(store, job_id, progress=not quiet)
-    click.echo(f"{job['state']}: {job['requests_completed']}/{job['requests_total']} requests, "
-               f"{job['requests_failed']} failed; {job['output']}", err=True)
+    from batchspec.jobs.display import ending_of_record
+    from batchspec.jobs.openai_batch import output_paths
+    openai_files = output_paths(job["output"]) if spec.output_format == "openai" else None
+    click.echo(ending_of_record(job, openai_files), err=True)
     click.echo(job_id)
     sys.exit(0 if job["state"] in SUCCESS else 1)
 
@@ -294,8 +311,22 @@ def status(ctx, job_id, as_json):
     if as_json:
         click.echo(json.dumps(job, indent=2, sort_keys=True))
         return
-    for key in sorted(job):
-        click.echo(f"{key:22} {job[key]}")
+    from batchspec.jobs.display import status_table
+    click.echo(status_table(job, _alpha_so_far(store, job), job["shards"]))
+
+
+def _alpha_so_far(store, job: dict):
+    """α of the job: its summary once it ended, else read from the acceptance files of the
+    shards done so far (a string saying why when they cannot be read from here)."""
+    if "summary" in job:
+        return job["summary"].get("acceptance_rate")
+    from batchspec.jobs.outputs import output_fs
+    from batchspec.jobs.summary import acceptance_summary
+    try:
+        fs, root = output_fs(job["output"])
+        return acceptance_summary(fs, root, store.plan(job["job_id"]))["acceptance_rate"]
+    except Exception as e:  # noqa: BLE001 - the output may live where this host cannot read
+        return f"- (cannot read {job['output']} from here: {type(e).__name__})"
 
 
 @click.command()
@@ -305,11 +336,8 @@ def status(ctx, job_id, as_json):
 @clear_errors
 def jobs(ctx, limit):
     """Recent jobs, newest first."""
-    click.echo(f"{'JOB':40} {'STATE':22} {'SHARDS':>9} {'REQUESTS':>16} CREATED")
-    for j in _store(ctx).recent(limit):
-        shards = f"{j['shards_completed'] + j['shards_failed']}/{j['shards_total']}"
-        reqs = f"{j['requests_completed']}+{j['requests_failed']}/{j['requests_total']}"
-        click.echo(f"{j['job_id']:40} {j['state']:22} {shards:>9} {reqs:>16} {j['created_at']}")
+    from batchspec.jobs.display import jobs_table
+    click.echo(jobs_table(_store(ctx).recent(limit)))
 
 
 @click.command()
@@ -329,7 +357,11 @@ def cancel(ctx, job_id):
 
 @click.command()
 @click.option("--device", envvar="BATCHSPEC_DEVICE",
-              help="Device of this worker (cuda:N); run one worker per GPU.")
+              help="Device of this worker (cuda:N), or its group of GPUs for a "
+                   "tensor-parallel target (cuda:0,cuda:1,...); one worker per GPU or group.")
+@click.option("--tensor-parallel-size", type=int,
+              help="Shard the target over this many GPUs counted from --device (default "
+                   "cuda:0), e.g. CUDA_VISIBLE_DEVICES=4,5,6,7 ... --tensor-parallel-size 4.")
 @click.option("--concurrency", type=int, default=1, show_default=True,
               help="Worker processes; each loads its own copy of the models.")
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork",
@@ -340,19 +372,31 @@ def cancel(ctx, job_id):
 @click.option("--stream", is_flag=True, envvar="BATCHSPEC_STREAM",
               help="Keep each process's engine full across shard tasks (the next shard's "
                    "rows join the batch while this one's tail generates).")
+@metrics_option
 @broker_option
 @click.pass_context
 @clear_errors
-def worker(ctx, device, concurrency, pool, loglevel, hostname, stream):
+def worker(ctx, device, tensor_parallel_size, concurrency, pool, loglevel, hostname,
+           metrics_port, stream):
     """Start a Celery worker that runs shards."""
     import os
 
-    from batchspec.config import check_device
+    from batchspec.config import check_device, rank_devices
     from batchspec.jobs.celery_app import QUEUE, use_broker
+    if tensor_parallel_size is not None:  # the worker's devices decide the ranks of its jobs
+        if tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        names = (device or "cuda").split(",")
+        device = ",".join(names if len(names) > 1 else
+                          rank_devices(names[0], tensor_parallel_size))
     if device:
-        check_device(device)
+        for name in device.split(","):
+            check_device(name.strip())
         os.environ["BATCHSPEC_DEVICE"] = device  # read by the pool's children
     os.environ["BATCHSPEC_STREAM"] = "1" if stream else ""
+    if metrics_port:  # before the pool forks: its children record, this process serves
+        from batchspec.jobs.metrics import serve_worker
+        serve_worker(metrics_port, ctx.obj["broker"], QUEUE)
     argv = ["worker", f"--concurrency={concurrency}", f"--pool={pool}",
             f"--loglevel={loglevel}", "-Q", QUEUE]
     use_broker(ctx.obj["broker"]).worker_main(argv + ([f"--hostname={hostname}"] if hostname else []))

@@ -3,7 +3,8 @@
 A row gives its prompt as `prompt` (string) or `messages` (list of {role, content}, chat
 template applied), or through the job's `template` over other columns (`{question}`).
 Optional columns: `id` (generated from file and row when absent), `domain`, and per-row
-sampling overrides. A bad row never stops the others: it becomes (id, error_type, message)."""
+sampling overrides (OVERRIDES, and `stop`: a string or a list of strings). A bad row never
+stops the others: it becomes (id, error_type, message)."""
 from __future__ import annotations
 
 import math
@@ -19,6 +20,8 @@ from batchspec.sampling import SamplingParams
 FLOAT_OVERRIDES = ("temperature", "top_p")
 INT_OVERRIDES = ("top_k", "max_tokens", "seed")
 OVERRIDES = FLOAT_OVERRIDES + INT_OVERRIDES
+# Set on the rows of request-file lines that cannot run (jobs/openai_batch.py).
+LINE_ERROR_COLUMNS = ("_error_type", "_error")
 
 
 class RowError(Exception):
@@ -42,7 +45,7 @@ def template_fields(template: str) -> list[str]:
 
 def used_columns(names: list[str], template: str | None) -> list[str]:
     """The columns a row's request is made of; others are never read."""
-    wanted = {"id", "domain", *OVERRIDES}
+    wanted = {"id", "domain", "stop", *OVERRIDES, *LINE_ERROR_COLUMNS}
     wanted |= set(template_fields(template)) if template is not None else {"prompt", "messages"}
     return [n for n in dict.fromkeys(names) if n in wanted]
 
@@ -75,6 +78,15 @@ def _override(name: str, value):
             raise RowError("invalid_override", f"{name} must be an integer, got {value!r}")
         return int(value)
     return float(value)
+
+
+def _stop(value) -> list[str]:
+    """The `stop` override: a string or a list of non-empty strings."""
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RowError("invalid_override", f"stop must be a string or a list of non-empty "
+                                           f"strings, got {value!r}")
+    return stop
 
 
 def _prompt(row: dict, template: str | None, chat: bool):
@@ -174,6 +186,8 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
     for i, row in enumerate(rows):
         rid = _row_id(row, shard, i)
         try:
+            if row.get("_error_type"):  # a line of a request file that cannot run
+                raise RowError(row["_error_type"], row.get("_error") or "invalid request")
             if rid in seen or i in duplicates:
                 raise RowError("duplicate_id", f"id {rid!r} appears more than once in the job "
                                                f"(the first row with it runs)")
@@ -184,6 +198,8 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
             for name in OVERRIDES:
                 if row.get(name) is not None:
                     fields[name] = _override(name, row[name])
+            if row.get("stop") is not None:
+                fields["stop"] = _stop(row["stop"])
             try:
                 params = SamplingParams(**fields)
             except ValueError as e:

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batchspec.jobs import metrics
 from batchspec.jobs.outputs import (
     output_fs,
     shard_counts,
@@ -128,8 +129,12 @@ class ShardDriver:
     def step(self) -> tuple[list[ShardWork], int]:
         """One engine step: (shards ended in it, requests finished in it)."""
         try:
+            t0 = time.perf_counter()
             finished, n = self.llm.step()
+            metrics.on_step(self.llm, time.perf_counter() - t0)
         except Exception:
+            if self.llm.engine.closed:  # a tensor-parallel target broke: nothing to replay on
+                raise
             log.exception("an engine step failed; running its requests one at a time to "
                           "find the row(s) that broke it")
             return self._replay_alone()
@@ -206,6 +211,7 @@ class ShardDriver:
         work.result = ShardResult(work.shard.id, "done", len(outputs), len(errors),
                                   sum(len(o.token_ids) for o in outs),
                                   time.perf_counter() - work.t0)
+        metrics.on_shard(self.job_id, outputs, records, len(errors), work.result.wall_s)
 
 
 def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,

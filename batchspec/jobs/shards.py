@@ -1,9 +1,10 @@
 """Input shards of a job (docs/design.md, "Data formats").
 
-Inputs are Parquet files named by local paths, globs or fsspec URLs (s3://, gs://, ... when
-the filesystem package is installed). A job is split into shards of at most `shard_size`
-rows that never span two files and follow row-group boundaries where they can, so a shard
-reads only the row groups it needs. Shard ids are positions in that plan: the same inputs
+Inputs are Parquet files, or OpenAI Batch request files (*.jsonl, jobs/openai_batch.py),
+named by local paths, globs or fsspec URLs (s3://, gs://, ... when the filesystem package
+is installed). A job is split into shards of at most `shard_size` rows that never span two
+files and follow row-group boundaries where they can, so a shard reads only the row groups
+it needs. Shard ids are positions in that plan: the same inputs
 and shard size always give the same ids, which is what makes re-running a job resume it."""
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import asdict, dataclass, replace
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from batchspec.jobs import openai_batch
 
 GLOB_CHARS = "*?["
 
@@ -89,10 +92,13 @@ def _sources(files: list[str]) -> list[str]:
     """File names relative to the inputs' common folder, without .parquet: short, and
     distinct for distinct files."""
     if len(files) == 1:
-        return [os.path.basename(files[0]).removesuffix(".parquet")]
+        return [_stem(os.path.basename(files[0]))]
     common = os.path.commonpath([f.split("://", 1)[-1] for f in files])
-    return [os.path.relpath(f.split("://", 1)[-1], common).removesuffix(".parquet")
-            for f in files]
+    return [_stem(os.path.relpath(f.split("://", 1)[-1], common)) for f in files]
+
+
+def _stem(name: str) -> str:
+    return name.removesuffix(".parquet").removesuffix(".jsonl")
 
 
 def split_row_groups(row_group_sizes: list[int], shard_size: int) -> list[tuple[int, int]]:
@@ -121,6 +127,12 @@ def plan_shards(files: list[str], shard_size: int,
         raise ValueError("shard_size must be >= 1")
     shards: list[Shard] = []
     for path, source in zip(files, _sources(files), strict=True):
+        if openai_batch.is_openai_batch(path):  # OpenAI Batch requests: ranges of lines
+            if check_schema is not None:
+                check_schema(path, openai_batch.ROW_SCHEMA)
+            for start, num_rows in split_row_groups([openai_batch.count_rows(path)], shard_size):
+                shards.append(Shard(len(shards), path, source, start, num_rows))
+            continue
         pf = _open_parquet(path)
         if check_schema is not None:
             check_schema(path, pf.schema_arrow)
@@ -133,6 +145,10 @@ def plan_shards(files: list[str], shard_size: int,
 def read_shard(shard: Shard, columns: list[str] | None = None) -> pa.Table:
     """The shard's rows (of `columns`, default all), reading only the row groups that hold
     them."""
+    if openai_batch.is_openai_batch(shard.path):
+        table = openai_batch.read_rows(shard.path, shard.start, shard.num_rows, shard.source)
+        return table if columns is None else table.select(
+            [c for c in columns if c in table.column_names])
     pf = _open_parquet(shard.path)
     first = offset = 0
     groups = []
@@ -152,6 +168,9 @@ def read_shard(shard: Shard, columns: list[str] | None = None) -> pa.Table:
 def iter_column(path: str, name: str):
     """(row, value) of one column of a file, row group by row group; a row group that
     cannot be read is skipped (the shards that need it fail when they run)."""
+    if openai_batch.is_openai_batch(path):
+        yield from openai_batch.iter_column(path, name)
+        return
     pf = _open_parquet(path)
     if name not in pf.schema_arrow.names:
         return

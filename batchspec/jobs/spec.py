@@ -20,6 +20,9 @@ from batchspec.sampling import SamplingParams
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
 # Keys a job YAML may carry for the scheduler; not part of what a job runs.
 SCHEDULE_KEYS = ("schedule", "timezone")
+# parquet: OUT/{outputs,acceptance,errors}/; openai: those plus the OpenAI Batch output and
+# error files (jobs/openai_batch.py), written when the job finalizes.
+OUTPUT_FORMATS = ("parquet", "openai")
 
 
 @dataclass
@@ -36,6 +39,7 @@ class JobSpec:
     max_tokens: int = 128
     seed: int = 0
     device: str = "auto"
+    tensor_parallel_size: int | None = None  # None: one rank per device listed in `device`
     dtype: str = "auto"
     num_threads: int | None = None    # CPU intra-op threads; None: EngineConfig's default
     shard_size: int = 1000
@@ -45,6 +49,7 @@ class JobSpec:
     max_spec_temperature: float | None = None
     adaptive_k: bool = False          # per step, the k with the most expected tokens/s
     max_attempts: int = 3             # deliveries of a shard before it is marked failed
+    output_format: str = "parquet"    # openai: also OUT/openai/{output,errors}.jsonl
     name: str | None = None
     job_id: str | None = None
 
@@ -68,12 +73,19 @@ class JobSpec:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format must be one of {list(OUTPUT_FORMATS)}, "
+                             f"got {self.output_format!r}")
         if self.template is not None and not self.template.strip():
             raise ValueError("template is empty")
         self.sampling_params()
         # EngineConfig owns the checks of model paths, k, tau, dtype, fallback options;
         # device "cpu" here keeps torch out of processes that only submit.
-        self.engine_config(device="cpu")
+        ranks = self.tensor_parallel_size
+        ranks = len(self.device.split(",")) if ranks is None else ranks
+        if ranks < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {ranks}")
+        self.engine_config(device=",".join(["cpu"] * ranks))
 
     def _use_demo_models(self):
         try:
@@ -94,6 +106,9 @@ class JobSpec:
         return {name: getattr(self, name) for name in SAMPLING_FIELDS}
 
     def engine_config(self, device: str | None = None) -> EngineConfig:
+        """The EngineConfig; `device`: a worker's own device(s), which override the job's (a
+        list of devices sets the tensor-parallel ranks too)."""
+        tp = None if device and "," in device else self.tensor_parallel_size
         extra = {k: v for k, v in (("min_acceptance", self.min_acceptance),
                                    ("max_spec_temperature", self.max_spec_temperature),
                                    ("num_threads", self.num_threads))
@@ -102,7 +117,7 @@ class JobSpec:
                             num_speculative_tokens=self.num_speculative_tokens,
                             confidence_threshold=self.confidence_threshold,
                             device=device or self.device, dtype=self.dtype, seed=self.seed,
-                            adaptive_k=self.adaptive_k, **extra)
+                            adaptive_k=self.adaptive_k, tensor_parallel_size=tp, **extra)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -11,6 +11,7 @@ import json
 import pyarrow.parquet as pq
 
 from batchspec.contract import add_totals, summarize, totals
+from batchspec.jobs.openai_batch import write_openai_files
 from batchspec.jobs.outputs import KINDS, output_fs, shard_counts, shard_path, write_atomic
 from batchspec.jobs.shards import Shard
 from batchspec.jobs.states import SUCCESS
@@ -65,6 +66,9 @@ def finalize(spec_dict: dict, shards: list[Shard], *, job_id: str, timings: dict
     tokens = summary["tokens_generated"] if tokens_run is None else tokens_run
     summary["tokens_per_s"] = tokens / wall if wall else None
     state = final_state(counts, cancelled)
+    if spec_dict.get("output_format") == "openai":
+        extra = (extra or {}) | {"openai_files": write_openai_files(
+            fs, root, shards, job_id=job_id, model=spec_dict["model"])}
     doc = {"job_id": job_id, "state": state, "spec": spec_dict, "counts": counts,
            "timings": timings, "summary": summary, "failed_shards": failed_shards,
            **(extra or {})}

@@ -74,7 +74,7 @@ def get_llm(spec: JobSpec):
     when a job needs other models, so a GPU never holds two model sets."""
     config = spec.engine_config(device=os.environ.get("BATCHSPEC_DEVICE") or None)
     key = json.dumps(dataclasses.asdict(config), sort_keys=True)
-    if _engine["key"] != key:
+    if _engine["key"] != key or _engine["llm"].engine.closed:
         _engine.update(key=None, llm=None)
         gc.collect()
         from batchspec.llm import LLM
@@ -341,7 +341,10 @@ class Stream:
                         self.progress()
                     except Exception as e:  # the step failed: every shard in flight
                         log.exception("engine step failed")
-                        self.driver.abort()
+                        try:
+                            self.driver.abort()
+                        except Exception:  # a closed engine: get_llm() reloads it
+                            log.exception("engine abort failed")
                         ended = [(f, "failed", e) for f in self.flights.values()]
                         self.flights.clear()
                 if not self.flights:

@@ -1,6 +1,8 @@
 """Forward pass of the Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat, ragged batch
 of tokens with a paged KV cache. Weights keep their HF names; q/k/v and gate/up projections
-are fused at load time so each layer runs three matmuls plus the output projection."""
+are fused at load time so each layer runs three matmuls plus the output projection. Under
+tensor parallelism each rank holds its shard of every weight and of the KV cache
+(batchspec.layers.parallel) and adds one all-reduce after o and after down."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchspec.layers.attention import AttentionMetadata, paged_attention
-from batchspec.models.loader import ModelConfig
+from batchspec.layers.parallel import SINGLE, TensorParallel
+from batchspec.models.loader import Checkpoint, ModelConfig
 
 log = logging.getLogger(__name__)
 PREPACK_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: decode/verify batches
@@ -88,39 +91,57 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype, device):
+    def __init__(self, cfg: ModelConfig, weights: Checkpoint, dtype, device,
+                 tp: TensorParallel = SINGLE):
+        """The model's weights on `device`; with tp.size > 1, this rank's shard of them
+        (batchspec.layers.parallel says which part each rank holds)."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
+        self.tp = tp
         self.scale = cfg.head_dim ** -0.5
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        D = cfg.head_dim
+        q0, self.num_heads, kv0, self.num_kv_heads = tp.head_part(cfg.num_heads,
+                                                                 cfg.num_kv_heads)
+        self.q_size = self.num_heads * D
+        self.kv_size = self.num_kv_heads * D
+        q_rows, kv_rows = (q0 * D, (q0 + self.num_heads) * D), (kv0 * D, kv0 * D + self.kv_size)
+        mlp_rows = tp.part(cfg.intermediate_size)
 
-        def w(name):
-            return weights[name].to(device=device, dtype=dtype)
+        def w(name, dim=None, rows=(0, None)):
+            return weights.get(name, dim, *rows).to(device=device, dtype=dtype)
 
         packed = prepack_available(dtype, device) and _prepack_works(dtype)
         pack = prepack if packed else (lambda t: t)
         self.weights_prepacked = packed
-        self.embed = w("model.embed_tokens.weight")
+        v0, v1, v_rows = tp.vocab_part(cfg.vocab_size)
+        self.vocab_start = v0
+
+        def vocab_rows(name):  # this rank's token rows, padded to v_rows
+            t = w(name, 0, (v0, v1))
+            return F.pad(t, (0, 0, 0, v_rows - t.shape[0])) if t.shape[0] < v_rows else t
+
+        self.embed = vocab_rows("model.embed_tokens.weight")
         self.lm_head = pack(self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in
-                            weights else w("lm_head.weight"))
+                            weights else vocab_rows("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
+            qkv = [(a + "q_proj", q_rows), (a + "k_proj", kv_rows), (a + "v_proj", kv_rows)]
             layer = {
                 "in_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "qkv": pack(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
-                                       w(a + "v_proj.weight")])),
-                "qkv_bias": torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"),
-                                       w(a + "v_proj.bias")]) if cfg.attention_bias else None,
-                "o": pack(w(a + "o_proj.weight")),
-                "gate_up": pack(torch.cat([w(p + "mlp.gate_proj.weight"),
-                                           w(p + "mlp.up_proj.weight")])),
-                "down": pack(w(p + "mlp.down_proj.weight")),
+                "qkv": pack(torch.cat([w(n + ".weight", 0, r) for n, r in qkv])),
+                "qkv_bias": torch.cat([w(n + ".bias", 0, r) for n, r in qkv])
+                if cfg.attention_bias else None,
+                "o": pack(w(a + "o_proj.weight", 1, q_rows)),
+                # added once, after the all-reduce (Llama with attention_bias has one)
+                "o_bias": w(a + "o_proj.bias") if a + "o_proj.bias" in weights else None,
+                "gate_up": pack(torch.cat([w(p + "mlp.gate_proj.weight", 0, mlp_rows),
+                                           w(p + "mlp.up_proj.weight", 0, mlp_rows)])),
+                "down": pack(w(p + "mlp.down_proj.weight", 1, mlp_rows)),
             }
             if cfg.qk_norm:
                 layer["q_norm"] = w(a + "q_norm.weight")
@@ -133,6 +154,14 @@ class LlamaForCausalLM(nn.Module):
         self.cos = emb.cos().to(device=device, dtype=dtype)   # [max_pos, D]
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        h = F.embedding(torch.where(mine, local, 0), self.embed)
+        return self.tp.all_reduce(h * mine[:, None].to(h.dtype))
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -140,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden] (after the final norm)."""
         cfg = self.cfg
         T = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)                       # [T, hidden]
+        h = self.embed_tokens(input_ids)                             # [T, hidden]
         cos = self.cos[positions].unsqueeze(1)                       # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         eps = cfg.rms_norm_eps
@@ -148,9 +177,9 @@ class LlamaForCausalLM(nn.Module):
             x = rms_norm(h, layer["in_norm"], eps)
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, cfg.num_heads, cfg.head_dim)
-            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            q = q.view(T, self.num_heads, cfg.head_dim)               # this rank's heads
+            k = k.view(T, self.num_kv_heads, cfg.head_dim)
+            v = v.view(T, self.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
                 q = rms_norm(q, layer["q_norm"], eps)
                 k = rms_norm(k, layer["k_norm"], eps)
@@ -158,24 +187,26 @@ class LlamaForCausalLM(nn.Module):
             k = apply_rope(k, cos, sin)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, attn_backend,
                                 block_size, cfg.sliding_window)
-            h = h + linear(o.reshape(T, self.q_size), layer["o"])
+            o = self.tp.all_reduce(linear(o.reshape(T, self.q_size), layer["o"]))
+            h = h + (o if layer["o_bias"] is None else o + layer["o_bias"])
             x = rms_norm(h, layer["post_norm"], eps)
             gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer["down"])
+            h = h + self.tp.all_reduce(linear(F.silu(gate) * up, layer["down"]))
         return rms_norm(h, self.final_norm, eps)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> logits [n, vocab] in fp32."""
-        return linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [n, hidden] -> logits [n, vocab] in fp32 (on rank 0; None on the others)."""
+        logits = self.tp.gather_first(linear(hidden, self.lm_head))
+        return None if logits is None else logits[:, :self.cfg.vocab_size].float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device):
-        """Per layer (k, v), each [num_blocks * block_size, H_kv, D]."""
-        shape = (self.cfg.num_layers, 2, num_blocks * block_size, self.cfg.num_kv_heads,
+        """Per layer (k, v), each [num_blocks * block_size, H_kv, D] (this rank's KV heads)."""
+        shape = (self.cfg.num_layers, 2, num_blocks * block_size, self.num_kv_heads,
                  self.cfg.head_dim)
         cache = torch.zeros(shape, dtype=self.dtype, device=device)
         return [(cache[i, 0], cache[i, 1]) for i in range(self.cfg.num_layers)]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return (2 * self.cfg.num_layers * block_size * self.cfg.num_kv_heads * self.cfg.head_dim
+        return (2 * self.cfg.num_layers * block_size * self.num_kv_heads * self.cfg.head_dim
                 * torch.tensor([], dtype=self.dtype).element_size())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -86,18 +87,37 @@ def read_config(path: str) -> ModelConfig:
         hidden_act=act)
 
 
-def load_weights(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
-            raise ValueError(f"{path!r} holds only pickle checkpoints (*.bin/*.pt), which are "
-                             f"not loaded for safety; convert them to *.safetensors")
-        raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(f))
-    return weights
+class Checkpoint:
+    """The tensors of a model directory's *.safetensors files, read on demand: whole, or a
+    range along one dimension, so that a tensor-parallel rank reads only its shard."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
+                raise ValueError(f"{path!r} holds only pickle checkpoints (*.bin/*.pt), which "
+                                 f"are not loaded for safety; convert them to *.safetensors")
+            raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
+        self._files = [safe_open(f, "pt") for f in files]
+        self._where = {name: st for st in self._files for name in st.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._where[name].get_slice(name).get_shape())
+
+    def get(self, name: str, dim: int | None = None, start: int = 0,
+            stop: int | None = None) -> torch.Tensor:
+        """The tensor `name`, or rows (dim 0) / columns (dim 1) start:stop of it."""
+        if dim is None:
+            return self._where[name].get_tensor(name)
+        part = self._where[name].get_slice(name)
+        return part[start:stop] if dim == 0 else part[:, start:stop]
+
+    def num_params(self, skip: tuple[str, ...] = ()) -> int:
+        return sum(math.prod(self.shape(n)) for n in self._where if n not in skip)
 
 
 def load_tokenizer(path: str):
@@ -130,17 +150,4 @@ def stored_dtype(path: str) -> str | None:
 
 
 def num_parameters(path: str) -> int:
-    from safetensors import safe_open
-    total = 0
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
-        with safe_open(f, "pt") as st:
-            for k in st.keys():
-                total += _prod(st.get_slice(k).get_shape())
-    return total
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return Checkpoint(path).num_params()

@@ -145,12 +145,14 @@ def histogram_query(lf: pl.LazyFrame) -> pl.LazyFrame:
 
 
 def outliers_query(lf: pl.LazyFrame, n: int = 10, min_drafted: int = 1) -> pl.LazyFrame:
-    """The n requests with the lowest α (ties: the one that drafted more first)."""
+    """The n requests with the lowest α (ties: the one that drafted more first, then by job
+    and request id, so the list does not depend on the order files are read in)."""
     cols = ["request_id", "job_id", "domain", "draft", "temperature", "total_drafted",
             "total_accepted"]
     return (lf.filter(pl.col("total_drafted") >= max(min_drafted, 1))
             .select(*cols, request_alpha.alias("acceptance_rate"))
-            .sort(["acceptance_rate", "total_drafted"], descending=[False, True])
+            .sort(["acceptance_rate", "total_drafted", "job_id", "request_id"],
+                  descending=[False, True, False, False], nulls_last=True)
             .head(n))
 
 

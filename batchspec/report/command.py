@@ -4,11 +4,13 @@ only lays them out (docs/acceptance-analysis.md says what each one means)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from html import escape
 
 import click
 
+from batchspec.jobs.display import draft_name
 from batchspec.report.analysis import POSITION_BUCKETS, NoAcceptanceData, analyze
 from batchspec.report.charts import bar_chart
 
@@ -27,8 +29,11 @@ def _pct(x) -> str:
 
 
 def _label(x, key: str = "draft") -> str:
-    # A null draft means plain decoding; any other null key is just missing.
-    return str(x) if x is not None else PLAIN if key == "draft" else "(none)"
+    # A null draft means plain decoding; any other null key is just missing. A draft shows
+    # as its model directory's name ('ngram' stays); the records keep the path.
+    if x is None:
+        return PLAIN if key == "draft" else "(none)"
+    return draft_name(str(x)) if key == "draft" else str(x)
 
 
 def notice(r: dict) -> str | None:
@@ -191,12 +196,15 @@ def report(paths, json_path, html_path, by, num_outliers, min_drafted):
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--by") from None
     click.echo(render_text(r), nl=False)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(r, f, indent=2)
-    if html_path:
-        with open(html_path, "w") as f:
-            f.write(render_html(r))
+    for path, text in ((json_path, lambda: json.dumps(r, indent=2)),
+                       (html_path, lambda: render_html(r))):
+        if path:
+            try:
+                with open(path, "w") as f:
+                    f.write(text())
+            except OSError as e:
+                raise click.ClickException(f"cannot write {path}: {e.strerror or e}") from None
+            click.echo(f"wrote {os.path.abspath(path)}", err=True)
 
 
 COMMANDS = [report]

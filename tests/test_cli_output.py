@@ -1,0 +1,67 @@
+"""What the job and report commands print for a person: the status table, the jobs legend,
+draft names in reports, and where report files went."""
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from batchspec.jobs.display import jobs_table, progress_bar, status_table
+from batchspec.report.command import report
+from tests.acceptance_records import make_record, write_job
+
+JOB = {"job_id": "nightly-20261201-030000-abc123", "state": "running", "requests_total": 40,
+       "requests_completed": 18, "requests_failed": 2, "requests_in_progress": 3,
+       "shards_total": 4, "shards_completed": 2, "shards_failed": 1, "shards_cancelled": 0,
+       "tokens_generated": 1234, "tokens_per_s": 88.5, "requests_per_s": 1.25,
+       "output": "/data/out", "created_at": "2026-12-01T03:00:00.000+00:00",
+       "started_at": "2026-12-01T03:00:01.000+00:00"}
+
+
+def test_status_is_a_short_table():
+    shards = {"00001": {"state": "failed", "error": "RuntimeError: CUDA error", "host": "gpu7",
+                        "pid": 4242, "attempt": 3},
+              "00003": {"state": "running", "host": "gpu2", "pid": 17, "attempt": 1}}
+    text = status_table(JOB, 0.6543, shards)
+    lines = text.splitlines()
+    assert len(lines) <= 16 and all(len(line) <= 100 for line in lines)
+    assert lines[1].split() == ["state", "running"]
+    assert "20/40 requests (+3 in running shards)" in text and progress_bar(20, 40) in text
+    assert "18 done, 2 failed" in text and "1.25 requests/s, 88.5 tokens/s" in text
+    assert "acceptance α  0.654" in text
+    assert "failed shards:\n  00001  RuntimeError: CUDA error  (host gpu7, pid 4242, attempt 3)" \
+        in text
+    assert "running shards:\n  00003 (host gpu2, pid 17, attempt 1)" in text
+    assert "summary" not in text and "{" not in text
+
+
+def test_status_before_any_shard_is_done():
+    job = JOB | {"state": "queued", "requests_completed": 0, "requests_failed": 0,
+                 "requests_in_progress": 0, "shards_completed": 0, "shards_failed": 0}
+    job.pop("requests_per_s")
+    text = status_table(job, None, {})
+    assert "acceptance α  - (no shard done yet)" in text
+    assert [line.split() for line in text.splitlines() if line.startswith("throughput")] == \
+        [["throughput", "-"]]
+    assert progress_bar(0, 40) in text and "failed shards" not in text
+
+
+def test_jobs_list_has_a_legend():
+    text = jobs_table([JOB])
+    assert "3/4" in text and "18+2/40" in text
+    assert "SHARDS: ended (done + failed) / total" in text
+    assert "REQUESTS: done + failed / total" in text
+    assert "(no jobs in this Redis)" in jobs_table([])
+
+
+def test_report_shows_draft_names_and_says_where_it_wrote(tmp_path, monkeypatch):
+    draft = "/home/someone/models/very/long/path/to/draft-code"
+    recs = [make_record(f"r{i}", [(4, 2)], draft=draft) for i in range(3)]
+    job = write_job(str(tmp_path / "job"), [recs])
+    html = tmp_path / "r.html"
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(report, [job, "--html", "r.html", "--json", "r.json"])
+    assert r.exit_code == 0, r.output
+    assert "draft-code" in r.stdout and draft not in r.stdout
+    assert f"wrote {html}" in r.stderr and f"wrote {tmp_path / 'r.json'}" in r.stderr
+    assert draft in (tmp_path / "r.json").read_text()       # the records keep the path
+    r = CliRunner().invoke(report, [job, "--html", str(tmp_path / "missing" / "r.html")])
+    assert r.exit_code == 1 and "cannot write" in r.stderr and "Traceback" not in r.output
