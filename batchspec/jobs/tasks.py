@@ -200,6 +200,7 @@ def run_shard_task(job_id: str, shard_id: str) -> str:
         return "duplicate"
     spec_dict, shard = store.spec(job_id), store.shard(job_id, shard_id)
     max_attempts = spec_dict["max_attempts"]
+    started = now_iso()  # cleared to start: a cancel from now on stops it between steps
     if store.cancel_requested(job_id):
         return _end(job_id, shard_id, "cancelled")
     if STREAM.has(job_id, shard_id):  # in flight in this very process
@@ -217,7 +218,7 @@ def run_shard_task(job_id: str, shard_id: str) -> str:
     handed_over = False
     try:
         store.update_info(job_id, shard_id, host=socket.gethostname(), pid=os.getpid(),
-                          attempt=attempt, started_at=now_iso())
+                          attempt=attempt, started_at=started)
         # Inside the try: a spec this host cannot serve (model missing here) is retried,
         # possibly elsewhere, then failed like any other error.
         spec = JobSpec.from_dict(spec_dict)
