@@ -8,6 +8,18 @@ from dataclasses import dataclass, field
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 NGRAM = "ngram"
+SUFFIX = "suffix"
+LOOKUP_SOURCES = (NGRAM, SUFFIX)   # drafts that look tokens up instead of running a model
+
+
+def draft_sources(value: str) -> list[str]:
+    """The sources one draft setting names: a model directory, 'ngram', 'suffix', or a model
+    directory and a lookup source joined by '+' ('DIR+suffix'), between which each row
+    chooses per round."""
+    if value in LOOKUP_SOURCES or os.path.isdir(value):
+        return [value]
+    head, sep, tail = value.rpartition("+")
+    return [head, tail] if sep and head and tail in LOOKUP_SOURCES else [value]
 
 
 def cpu_has_native_bf16() -> bool:
@@ -65,7 +77,8 @@ def check_device(device: str) -> None:
 @dataclass
 class EngineConfig:
     model: str
-    drafts: dict[str, str] = field(default_factory=dict)  # domain -> HF dir or "ngram"
+    drafts: dict[str, str] = field(default_factory=dict)  # domain -> HF dir, "ngram",
+                                                          # "suffix" or "DIR+ngram|suffix"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
     device: str = "auto"              # auto | cpu | cuda | cuda:N; with tensor parallelism
@@ -96,16 +109,20 @@ class EngineConfig:
                                       # most expected tokens/s (costs measured at start-up)
     ngram_min: int = 1
     ngram_max: int = 4
+    suffix_max_tokens: int = 16_384   # output tokens a domain's job-wide suffix trie holds
+    suffix_min_prob: float = 0.1      # a suffix draft stops where its estimated probability
+                                      # falls below this
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a Hugging Face model directory")
         self.drafts = {str(k): str(v) for k, v in (self.drafts or {}).items()}
-        for domain, path in self.drafts.items():
-            if path != NGRAM and not os.path.isdir(path):
+        for domain, value in self.drafts.items():
+            path = draft_sources(value)[0]
+            if path not in LOOKUP_SOURCES and not os.path.isdir(path):
                 raise FileNotFoundError(
-                    f"draft for domain {domain!r}: {path!r} is not a directory "
-                    f"(give a Hugging Face model directory or 'ngram')")
+                    f"draft for domain {domain!r}: {path!r} is not a directory (give a "
+                    f"Hugging Face model directory, 'ngram', 'suffix' or DIR+ngram|suffix)")
         if not os.path.isdir(self.model):
             raise FileNotFoundError(
                 f"model {self.model!r} is not a directory: give a Hugging Face model "
@@ -124,6 +141,8 @@ class EngineConfig:
             raise ValueError("min_acceptance must be in [0, 1]")
         if self.fallback_window < 1 or self.fallback_min_drafted < 1:
             raise ValueError("fallback_window and fallback_min_drafted must be >= 1")
+        if self.suffix_max_tokens < 0 or not 0.0 <= self.suffix_min_prob <= 1.0:
+            raise ValueError("suffix_max_tokens must be >= 0 and suffix_min_prob in [0, 1]")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

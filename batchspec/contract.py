@@ -64,7 +64,8 @@ RECORD_FIELDS: list[tuple[str, str, str]] = [
     ("shard", "string", "filled in by the job runner"),
     ("domain", "string", ""),
     ("target", "string", "path of the target model"),
-    ("draft", "string", "path of the draft model, 'ngram', or null for plain decoding"),
+    ("draft", "string", "the domain's draft setting (model path, 'ngram', 'suffix', or "
+     "PATH+ngram|suffix), or null for plain decoding"),
     ("temperature", "float32", ""),
     ("k_max", "int32", "most drafts per round"),
     ("confidence_threshold", "float32", ""),
@@ -79,6 +80,9 @@ RECORD_FIELDS: list[tuple[str, str, str]] = [
     ("round_output_pos", "list<int32>", "output position at the start of each round"),
     ("round_drafted", "list<int32>", ""),
     ("round_accepted", "list<int32>", ""),
+    ("round_source", "list<string>",
+     "which source drafted each round (a draft model's path, 'ngram' or 'suffix'; null for a "
+     "round without drafts): a row with DIR+ngram|suffix chooses per round"),
     ("skipped_by_confidence", "int32", "rounds the confidence threshold cut short"),
     ("fallback_triggered", "bool", ""),
     ("speedup_theoretical", "float64", "speedup_theoretical()"),
@@ -91,7 +95,8 @@ def acceptance_schema():
     """The Arrow schema of acceptance records (imports pyarrow)."""
     import pyarrow as pa
     types = {"string": pa.string(), "float32": pa.float32(), "float64": pa.float64(),
-             "int32": pa.int32(), "bool": pa.bool_(), "list<int32>": pa.list_(pa.int32())}
+             "int32": pa.int32(), "bool": pa.bool_(), "list<int32>": pa.list_(pa.int32()),
+             "list<string>": pa.list_(pa.string())}
     return pa.schema([(name, types[t]) for name, t, _ in RECORD_FIELDS])
 
 
@@ -129,6 +134,7 @@ def acceptance_record(seq: Sequence, *, target: str, draft_path: str | None, k_m
         "round_output_pos": list(s.round_output_pos),
         "round_drafted": list(s.round_drafted),
         "round_accepted": list(s.round_accepted),
+        "round_source": list(s.round_source),
         "skipped_by_confidence": s.skipped_by_confidence,
         "fallback_triggered": s.fallback_triggered,
         "speedup_theoretical": None if not drafted else

@@ -13,10 +13,14 @@ from batchspec.contract import ACCEPTANCE_SCHEMA
 
 def make_record(request_id: str, rounds: list[tuple[int, int]], *, positions=None,
                 domain="chat", draft="d0", temperature=0.0, k=4, job_id="job0",
-                target="t0", skipped=0, fallback=False, speedup=1.5, wall_s=1.0) -> dict:
+                target="t0", skipped=0, fallback=False, speedup=1.5, wall_s=1.0,
+                sources=None) -> dict:
     """rounds: (drafted, accepted) per decode round; a round emits accepted + 1 tokens after
     the first token (which the prefill pass emits), so the output position of each round
-    follows unless `positions` gives them."""
+    follows unless `positions` gives them. sources: who drafted each round (default: the
+    draft, for every round that drafted)."""
+    if sources is None:
+        sources = [draft if n else None for n, _ in rounds]
     if positions is None:
         positions = [1 + sum(a + 1 for _, a in rounds[:i]) for i in range(len(rounds))]
     depth_drafted, depth_accepted = [0] * k, [0] * k
@@ -36,7 +40,8 @@ def make_record(request_id: str, rounds: list[tuple[int, int]], *, positions=Non
         mean_accepted_length=(tokens - 1) / len(rounds) if rounds else None,
         drafted_per_depth=depth_drafted, accepted_per_depth=depth_accepted,
         round_output_pos=positions, round_drafted=[n for n, _ in rounds],
-        round_accepted=[a for _, a in rounds], skipped_by_confidence=skipped,
+        round_accepted=[a for _, a in rounds], round_source=sources,
+        skipped_by_confidence=skipped,
         fallback_triggered=fallback, speedup_theoretical=speedup, wall_s=wall_s)
 
 

@@ -235,3 +235,22 @@ def test_result_is_strict_json_even_with_nan_inputs(tmp_path):
     assert r["speedup"]["speedup_theoretical_mean"] == 2.0
     assert {g["temperature"]: g["requests"] for g in r["by"]["temperature"]} == {"0": 2, None: 1}
     assert r["outliers"][0]["request_id"] == "r0" and r["outliers"][0]["temperature"] is None
+
+
+def test_alpha_by_source(tmp_path):
+    """Rounds pooled by the source that drafted them (routed rows switch per round); rounds
+    without drafts count nowhere; records without round_source (older files) give none."""
+    rounds = [(4, 4), (3, 1), (0, 0), (2, 0)]
+    routed = make_record("r", rounds, draft="m+suffix", sources=["suffix", "m", None, "suffix"])
+    other = make_record("o", [(4, 2)], draft="m")
+    write_records(str(tmp_path / "job" / "acceptance" / "part-00000.parquet"), [routed, other])
+    by = {g["source"]: g for g in analyze([str(tmp_path / "job")])["by_source"]}
+    assert set(by) == {"suffix", "m"}
+    assert (by["suffix"]["rounds"], by["suffix"]["drafted"], by["suffix"]["accepted"]) == (2, 6, 4)
+    assert by["suffix"]["token_acceptance_prob"] == pytest.approx(4 / 5)
+    assert (by["m"]["rounds"], by["m"]["drafted"], by["m"]["accepted"]) == (2, 7, 3)
+    assert by["m"]["acceptance_rate"] == pytest.approx(3 / 7)
+    import polars as pl
+    old = pl.read_parquet(str(tmp_path / "job" / "acceptance" / "part-00000.parquet"))
+    old.drop("round_source").write_parquet(str(tmp_path / "old.parquet"))
+    assert analyze([str(tmp_path / "old.parquet")])["by_source"] == []

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from batchspec.config import NGRAM, EngineConfig
+from batchspec.config import NGRAM, SUFFIX, EngineConfig, draft_sources
 from batchspec.contract import Request, request_seed
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.distributed import make_target_runner
@@ -17,7 +17,8 @@ from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
 from batchspec.models.loader import load_tokenizer
 from batchspec.spec.policy import SpecPolicy, StepCosts
-from batchspec.spec.proposer import DraftModelProposer, NgramProposer
+from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
+from batchspec.spec.suffix import SuffixProposer
 from batchspec.spec.verify import VerifyMetadata, verify
 
 log = logging.getLogger(__name__)
@@ -35,16 +36,23 @@ class Engine:
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.proposers: dict[str, DraftModelProposer | NgramProposer] = {}
+        self.proposers: dict[str, DraftModelProposer | NgramProposer | SuffixProposer] = {}
+        self.routes: dict[str, str] = {}   # model draft -> the lookup source routed with it
+        self.source_label: dict[str, str] = {}  # proposer -> its path, "ngram" or "suffix"
         runners: dict[str, ModelRunner] = {}
-        for name, path in c.drafts.items():
-            if path == NGRAM:
-                self.proposers[name] = NgramProposer(c.ngram_min, c.ngram_max)
+        for name, value in c.drafts.items():
+            path, *lookup = draft_sources(value)
+            if lookup:
+                self.routes[name] = f"{name}+{lookup[0]}"
+                self._add_lookup(self.routes[name], lookup[0])
+            if path in (NGRAM, SUFFIX):
+                self._add_lookup(name, path)
                 continue
             if path not in runners:
                 runners[path] = ModelRunner(path, c.devices[0], c.dtype, c.attention_backend)
                 self._check_draft(path, runners[path])
             self.proposers[name] = DraftModelProposer(runners[path], c.confidence_threshold)
+            self.source_label[name] = path
         k = c.num_speculative_tokens if c.speculative else 0
         self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
@@ -64,17 +72,22 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.policy.lookahead)
         self._next_id = 0
-        self._step_k: int | None = None   # k chosen by adaptive_k for the current step
         if c.adaptive_k and k > 0:
             self.policy.costs = self.measure_step_costs()
 
-    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 2,
+    def _add_lookup(self, name: str, kind: str) -> None:
+        c = self.config
+        self.proposers[name] = NgramProposer(c.ngram_min, c.ngram_max) if kind == NGRAM else \
+            SuffixProposer(c.suffix_max_tokens, c.suffix_min_prob)
+        self.source_label[name] = kind
+
+    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 3,
                            max_batch: int = 64) -> StepCosts:
         """Time the target over B rows of q = 1..k+1 tokens and each draft over B rows of one
         token, B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
         batches are extrapolated, and the online correction absorbs the error), at a context
-        of ctx_len tokens (fastest of `repeats`). The KV written lands in free blocks and is
-        never read."""
+        of ctx_len tokens (fastest of `repeats`; then smoothed, StepCosts.smooth). The KV
+        written lands in free blocks and is never read."""
         c = self.config
         k = c.num_speculative_tokens
         ctx = max(1, min(ctx_len, self.max_model_len - k - 1))
@@ -106,7 +119,8 @@ class Engine:
         for name, runner in runners.items():
             if runner.path not in measured:
                 measured[runner.path] = [seconds(runner, b, 1) for b in grid]
-            costs.draft[name] = measured[runner.path]
+            costs.draft[name] = list(measured[runner.path])
+        costs.smooth()
         log.info("step costs (ms) at B=%s: target %s; drafts %s", grid,
                  {q: [round(1e3 * t, 2) for t in v] for q, v in costs.target.items()},
                  {n: [round(1e3 * t, 2) for t in v] for n, v in costs.draft.items()})
@@ -197,8 +211,7 @@ class Engine:
             return [], 0
         sampling = [s for s in scheduled if s.is_sampling]
         t0 = time.perf_counter()
-        self._step_k = None
-        self.propose(sampling)
+        chose = self.propose(sampling)
         # Every row's uncomputed tokens then its drafts; a sampling row gets 1 + n_i logits.
         logits = self.target.forward([s.input_token_ids for s in scheduled],
                                      [s.seq.num_computed_tokens for s in scheduled],
@@ -207,32 +220,65 @@ class Engine:
         out_ids, num_accepted = verify(logits, self._verify_metadata(sampling, logits),
                                        self.config.verify_backend)
         result = self.commit(scheduled, out_ids.tolist(), num_accepted.tolist())
-        if self._step_k is not None and all(s.num_new_tokens == 1 for s in scheduled):
+        if chose and all(s.num_new_tokens == 1 for s in scheduled):
             # decode-only steps: the prediction has no term for prefill chunks
-            self.policy.observe(self._step_k, time.perf_counter() - t0)
+            self.policy.observe(time.perf_counter() - t0)
         return result
 
-    def propose(self, sampling: list[ScheduledSeq]) -> None:
+    def propose(self, sampling: list[ScheduledSeq]) -> bool:
         """Draft tokens for decode rows allowed to speculate, grouped by draft; each row's
-        proposal lands on it."""
+        proposal lands on it. Lookup sources (n-gram, suffix) draft first; a row routed
+        between a model draft and a lookup keeps the lookup's drafts when the policy expects
+        more of them than of the model's (else the model drafts). With adaptive_k the policy
+        then sets every row's length (what a lookup found bounds its row), and model drafts
+        draft only that many, level by level. Returns whether the policy chose lengths this
+        step."""
+        rows = [s for s in sampling if s.max_drafts > 0]
+        for s in rows:
+            s.source = s.seq.spec.draft
+        is_model = {name: isinstance(p, DraftModelProposer) for name, p in self.proposers.items()}
+        # lookups first: they are cheap, and what they find bounds their rows
+        for name, group in self._by_source(rows).items():
+            alt = self.routes.get(name)
+            if alt is not None:   # routed rows: the lookup drafts, then each row chooses
+                self._draft(alt, group)
+                for s in group:
+                    if self.policy.prefer_lookup(s.seq, name, alt, s.num_drafts,
+                                                 self._cost_ratio(name)):
+                        s.source = alt
+                    else:
+                        s.proposal = None
+            elif not is_model[name]:
+                self._draft(name, group)
+        chose = self.policy.costs is not None and bool(rows)
+        if chose:
+            lengths = self.policy.choose_lengths(
+                [(s.seq, s.source, s.max_drafts if is_model[s.source] else s.num_drafts,
+                  is_model[s.source]) for s in rows], len(sampling) - len(rows))
+            for s, n in zip(rows, lengths, strict=True):
+                s.max_drafts = n
+                if s.proposal is not None:
+                    s.proposal = Proposal(s.proposal.token_ids[:n], None) if n else None
+        for name, group in self._by_source(rows).items():
+            group = [s for s in group if s.max_drafts > 0]
+            if is_model[name] and group:
+                self._draft(name, group)
+        return chose
+
+    @staticmethod
+    def _by_source(rows: list[ScheduledSeq]) -> dict[str, list[ScheduledSeq]]:
         groups: dict[str, list[ScheduledSeq]] = {}
-        for s in sampling:
-            if s.max_drafts > 0:
-                groups.setdefault(s.seq.spec.draft, []).append(s)
-        if self.policy.costs is not None and groups:
-            k = self.policy.choose_k({name: [s.seq for s in rows] for name, rows in
-                                      groups.items()},
-                                     len(sampling) - sum(map(len, groups.values())))
-            self._step_k = k
-            for rows in groups.values():
-                for s in rows:
-                    s.max_drafts = min(s.max_drafts, k)
-            if k == 0:
-                return
-        for name, rows in groups.items():
-            props = self.proposers[name].propose([(s.seq, s.max_drafts) for s in rows])
-            for s, p in zip(rows, props, strict=True):
-                s.proposal = p
+        for s in rows:
+            groups.setdefault(s.source, []).append(s)
+        return groups
+
+    def _cost_ratio(self, name: str) -> float:
+        return self.proposers[name].num_params / self.target.num_params
+
+    def _draft(self, name: str, rows: list[ScheduledSeq]) -> None:
+        props = self.proposers[name].propose([(s.seq, s.max_drafts) for s in rows])
+        for s, p in zip(rows, props, strict=True):
+            s.proposal = p
 
     def _verify_metadata(self, sampling: list[ScheduledSeq], logits) -> VerifyMetadata:
         dev = logits.device
@@ -279,8 +325,8 @@ class Engine:
             new = out_ids[b][:m + 1]
             b += 1
             if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
-                seq.record_round(s.num_drafts, m)
-                self.policy.record(seq, s.num_drafts, m)
+                seq.record_round(s.num_drafts, m, self.source_label.get(s.source))
+                self.policy.record(seq, s.source, s.num_drafts, m)
                 if s.proposal is not None and s.proposal.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
                 self.policy.update_fallback(seq)
@@ -327,3 +373,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         seq.finish_time = time.perf_counter()
+        if seq.spec.draft is not None:
+            self.proposers[seq.spec.draft].finish(seq, reason != "abort")
+            if seq.spec.draft in self.routes:
+                self.proposers[self.routes[seq.spec.draft]].finish(seq, reason != "abort")

@@ -26,6 +26,7 @@ class ScheduledSeq:
     num_new_tokens: int      # tokens computed this step, from seq.num_computed_tokens on
     max_drafts: int          # draft tokens this row may append for verification (0: none)
     proposal: Proposal | None = None   # the drafts appended this step (set by the engine)
+    source: str | None = None          # the proposer that drafted them (set by the engine)
 
     @property
     def num_drafts(self) -> int:

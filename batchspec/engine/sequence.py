@@ -27,6 +27,10 @@ class SpecState:
     round_output_pos: list[int] = field(default_factory=list)
     round_drafted: list[int] = field(default_factory=list)
     round_accepted: list[int] = field(default_factory=list)
+    round_source: list[str | None] = field(default_factory=list)  # who drafted each round
+    # source -> (accepted, judged) at each depth: a draft at depth d is judged when every
+    # draft before it was accepted (the policy's per-request acceptance estimates)
+    source_depth: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     skipped_by_confidence: int = 0
     fallback_triggered: bool = False
     window: deque = field(default_factory=deque)  # (drafted, accepted) of recent rounds
@@ -77,9 +81,11 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+    def record_round(self, num_drafted: int, num_accepted: int,
+                     source: str | None = None) -> None:
         s = self.spec
         s.rounds += 1
+        s.round_source.append(source if num_drafted else None)
         s.round_output_pos.append(self.num_output_tokens)
         s.round_drafted.append(num_drafted)
         s.round_accepted.append(num_accepted)

@@ -31,7 +31,7 @@ JOB_OPTIONS = [
                  help="Target model (HF directory). Default: the bundled demo models."),
     click.option("--draft", "drafts", multiple=True, metavar="DOMAIN=PATH",
                  envvar="BATCHSPEC_DRAFTS",
-                 help="Draft for a domain: an HF directory or 'ngram' (repeatable; "
+                 help="Draft for a domain: an HF directory, 'ngram' or 'suffix' (repeatable; "
                       "'default' serves rows without a matching domain)."),
     click.option("-k", "--num-speculative-tokens", type=int,
                  envvar="BATCHSPEC_NUM_SPECULATIVE_TOKENS",

@@ -147,14 +147,15 @@ def _absolute(path: str) -> str:
 
 
 def parse_drafts(drafts) -> dict[str, str]:
-    """{domain: path} from a dict or from 'DOMAIN=PATH' strings (PATH may be 'ngram')."""
+    """{domain: path} from a dict or from 'DOMAIN=PATH' strings (PATH may be 'ngram' or
+    'suffix')."""
     if isinstance(drafts, dict):
         return {str(k): str(v) for k, v in drafts.items()}
     out = {}
     for item in drafts or []:
         domain, sep, path = str(item).partition("=")
         if not sep or not domain or not path:
-            raise ValueError(f"--draft takes DOMAIN=PATH (or DOMAIN=ngram), got {item!r}")
+            raise ValueError(f"--draft takes DOMAIN=PATH (or DOMAIN=ngram, DOMAIN=suffix), got {item!r}")
         out[domain] = path
     return out
 

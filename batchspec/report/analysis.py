@@ -117,11 +117,27 @@ def position_query(lf: pl.LazyFrame) -> pl.LazyFrame:
     """Per-round counts pooled by the output position at which the round started. Also counts
     rejections (rounds that stopped before their window's end), from which p is estimated."""
     lists = ["round_output_pos", "round_drafted", "round_accepted"]
-    return (lf.select(lists)
-            .explode(lists)
-            .drop_nulls("round_output_pos")
-            .group_by(_bucket_index(pl.col("round_output_pos"), [9, 49, 99, 199])
-                      .alias("position"))
+    return (_round_counts(lf.select(lists).explode(lists).drop_nulls("round_output_pos"),
+                          _bucket_index(pl.col("round_output_pos"), [9, 49, 99, 199])
+                          .alias("position"))
+            .sort("position")
+            .with_columns(_bucket_label(pl.col("position"), POSITION_BUCKETS)))
+
+
+def source_query(lf: pl.LazyFrame) -> pl.LazyFrame:
+    """Per-round counts pooled by the source that drafted the round (a draft model's path,
+    'ngram' or 'suffix'; rows routed between a model and a lookup choose per round). Rounds
+    without drafts are left out."""
+    lists = ["round_source", "round_drafted", "round_accepted"]
+    return (_round_counts(lf.select(lists).explode(lists).drop_nulls("round_source"),
+                          pl.col("round_source").alias("source"))
+            .sort("source"))
+
+
+def _round_counts(rounds: pl.LazyFrame, key: pl.Expr) -> pl.LazyFrame:
+    """Rounds, drafted, accepted, rejections (rounds that stopped before their window's end),
+    α and p of exploded per-round lists, grouped by key."""
+    return (rounds.group_by(key)
             .agg(pl.len().alias("rounds"), _sum("round_drafted").alias("drafted"),
                  _sum("round_accepted").alias("accepted"),
                  (pl.col("round_accepted") < pl.col("round_drafted")).sum()
@@ -129,9 +145,7 @@ def position_query(lf: pl.LazyFrame) -> pl.LazyFrame:
             .with_columns(contract.acceptance_rate(pl.col("accepted"), pl.col("drafted"))
                           .alias("acceptance_rate"),
                           contract.token_acceptance_prob(pl.col("accepted"), pl.col("rejections"))
-                          .alias("token_acceptance_prob"))
-            .sort("position")
-            .with_columns(_bucket_label(pl.col("position"), POSITION_BUCKETS)))
+                          .alias("token_acceptance_prob")))
 
 
 def histogram_query(lf: pl.LazyFrame) -> pl.LazyFrame:
@@ -212,12 +226,15 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
     if unknown:
         raise ValueError(f"cannot break down by {unknown}; use {sorted(BREAKDOWN_KEYS)} "
                          f"or a column name")
+    # records written before round_source existed have no per-round sources
+    sources = source_query(lf) if "round_source" in columns else \
+        pl.LazyFrame(schema={"source": pl.String})
     queries = [summary_query(lf), depth_query(lf), position_query(lf), histogram_query(lf),
-               outliers_query(lf, num_outliers, min_drafted), speedup_query(lf),
+               outliers_query(lf, num_outliers, min_drafted), speedup_query(lf), sources,
                *(breakdown_query(lf, k) for k in by)]
     # The streaming engine runs the ~30M-row explode of the per-round lists in half the time.
-    summary, depth, position, hist, outliers, sp, *groups = pl.collect_all(queries,
-                                                                           engine="streaming")
+    summary, depth, position, hist, outliers, sp, by_source, *groups = pl.collect_all(
+        queries, engine="streaming")
 
     summary = summary.to_dicts()[0]
     accepted, rejections = position["accepted"].sum(), position["rejections"].sum()
@@ -234,6 +251,7 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
         "by": {k: g.to_dicts() for k, g in zip(by, groups, strict=True)},
         "by_depth": depth.to_dicts(),
         "by_position": position.to_dicts(),
+        "by_source": by_source.to_dicts(),
         "histogram": [{"lo": i / NUM_HIST_BINS, "hi": (i + 1) / NUM_HIST_BINS,
                        "count": counts.get(i, 0)} for i in range(NUM_HIST_BINS)],
         "outliers": outliers.with_columns(pl.col("temperature").cast(pl.Float64).round(6)

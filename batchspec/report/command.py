@@ -83,6 +83,11 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 [[g["position"], _num(g["rounds"]), _num(g["drafted"]), _num(g["accepted"]),
                   _num(g["acceptance_rate"]), _num(g["token_acceptance_prob"])]
                  for g in r["by_position"]]))
+    if r.get("by_source"):
+        out.append(("α by draft source", ["source", "rounds", "drafted", "accepted", "α", "p"],
+                    [[_label(g["source"]), _num(g["rounds"]), _num(g["drafted"]),
+                      _num(g["accepted"]), _num(g["acceptance_rate"]),
+                      _num(g["token_acceptance_prob"])] for g in r["by_source"]]))
     out.append(("α by depth in the draft window",
                 ["depth", "drafted", "accepted", "α", "i.i.d. p^(d+1)"],
                 [[str(g["depth"]), _num(g["drafted"]), _num(g["accepted"]),

@@ -1,19 +1,26 @@
 """Speculation policy: which draft serves a request (by domain), how many tokens it may
-draft this round (k, capped by max_tokens and the context; with adaptive_k, the k of the step
-that maximises expected tokens per second), and when a request stops speculating (rolling
-acceptance below min_acceptance, or sampled hotter than max_spec_temperature)."""
+draft this round (k, capped by max_tokens and the context; with adaptive_k, each row's length
+from the draft slots, across all rows, that maximise the step's expected tokens per second),
+and when a request stops speculating (rolling acceptance below min_acceptance, or sampled
+hotter than max_spec_temperature)."""
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
 from batchspec.config import EngineConfig
-from batchspec.contract import expected_tokens_per_pass
 from batchspec.engine.sequence import Sequence
 
-# Prior on a draft's per-token acceptance probability before its first rounds (p = 0.6
-# worth 10 rounds), and the weight of the draft's pooled estimate in a request's own.
-PRIOR_P, PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = 0.6, 10, 4
+# Prior on a source's per-depth acceptance probability before its first rounds (p = 0.6
+# worth 10 rounds), and the weights (in rounds) of the source's pooled estimate in its
+# domain's and of the domain's in a request's own.
+PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = 0.6, 10, 10, 4
+MAX_P = 0.98
+# Every EXPLORE-th choice takes the other side (plain when the best plan speculates, the best
+# speculating plan when it is plain), so that both sides' timing corrections come from steps
+# of their own: a side never tried would borrow the other's and keep the start-up model's
+# bias between them (e.g. verification costs it leaves out).
+EXPLORE = 10
 
 
 @dataclass
@@ -36,6 +43,37 @@ class StepCosts:
     def target_s(self, b: int, q: int) -> float:
         return self._at(self.target[q], b) if b > 0 else 0.0
 
+    def smooth(self) -> None:
+        """Measured timings are noisy (a shared machine, one timing per shape): at each batch
+        size, replace the target's times over q = 1..k+1 by their least-squares line in q
+        (slope at least 0: more tokens never cost less), then make every shape's times
+        non-decreasing in B."""
+        qs = sorted(self.target)
+        if len(qs) > 1:
+            q_mean = sum(qs) / len(qs)
+            for i in range(len(self.batch_sizes)):
+                ts = [self.target[q][i] for q in qs]
+                t_mean = sum(ts) / len(ts)
+                slope = max(0.0, sum((q - q_mean) * (t - t_mean) for q, t in zip(qs, ts)) /
+                            sum((q - q_mean) ** 2 for q in qs))
+                for q in qs:
+                    self.target[q][i] = t_mean + slope * (q - q_mean)
+        for values in (*self.target.values(), *self.draft.values()):
+            for i in range(1, len(values)):
+                values[i] = max(values[i], values[i - 1])
+
+    def target_tokens_s(self, b: int, num_tokens: int) -> float:
+        """Target forward over b rows holding num_tokens tokens in all (ragged windows):
+        interpolated between the uniform shapes of q = floor and ceil of the mean."""
+        if b <= 0:
+            return 0.0
+        q_max = max(self.target)
+        q = min(max(num_tokens / b, 1.0), float(q_max))
+        lo = int(q)
+        hi = min(lo + 1, q_max)
+        t_lo = self.target_s(b, lo)
+        return t_lo + (q - lo) * (self.target_s(b, hi) - t_lo)
+
     def draft_s(self, name: str, b: int) -> float:
         return self._at(self.draft[name], b) if b > 0 and name in self.draft else 0.0
 
@@ -45,9 +83,13 @@ class SpecPolicy:
         self.config = config
         self.max_model_len = max_model_len
         self.costs: StepCosts | None = None        # set by the engine when adaptive_k
-        self.pooled: dict[str, list[int]] = {}     # draft -> [accepted, rejections]
-        self.step_ratio: dict[int, float] = {}     # k -> EMA of measured / predicted step
-        self.predicted: dict[int, float] = {}      # k -> predicted seconds, this step
+        # source, or (source, domain) -> (accepted, judged) per depth
+        self.pooled: dict[str | tuple, tuple[list[int], list[int]]] = {}
+        self.ratio = 1.0                            # EMA of measured / predicted, all steps
+        self.step_ratio: dict[int, float] = {}     # step key -> EMA of its ratio / self.ratio
+        self.observed: dict[int, int] = {}         # step key -> steps observed
+        self.num_choices = 0
+        self._chosen: tuple[int, float] | None = None  # (key, predicted s) of this step
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
@@ -78,58 +120,153 @@ class SpecPolicy:
         if drafted >= c.fallback_min_drafted and accepted < c.min_acceptance * drafted:
             seq.spec.fallback_triggered = True
 
-    # ---- adaptive k (goodput, SmartSpec-style) ----------------------------------------
-    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        """Pool a round's outcome into its draft's acceptance estimate."""
-        if num_drafted:
-            pooled = self.pooled.setdefault(seq.spec.draft, [0, 0])
-            pooled[0] += num_accepted
-            pooled[1] += num_accepted < num_drafted
+    # ---- adaptive verification: per-slot draft lengths by expected goodput ----------------
+    def record(self, seq: Sequence, source: str | None, num_drafted: int,
+               num_accepted: int) -> None:
+        """Count a round's per-depth outcome in the request's own estimates for its source
+        (on its SpecState) and in the source's pooled ones (overall and for the domain)."""
+        if not num_drafted or source is None:
+            return
+        own = seq.spec.source_depth.setdefault(source, ([], []))
+        for acc, judged in (own, self.pooled.setdefault(source, ([], [])),
+                            self.pooled.setdefault((source, seq.domain), ([], []))):
+            while len(judged) < num_drafted:
+                acc.append(0)
+                judged.append(0)
+            for d in range(min(num_drafted, num_accepted + 1)):
+                judged[d] += 1
+                acc[d] += d < num_accepted
 
-    def acceptance_p(self, seq: Sequence) -> float:
-        """Per-token acceptance probability of seq's next drafts: its own rounds, shrunk
-        towards its draft's pooled estimate (itself shrunk towards PRIOR_P)."""
-        acc, rej = self.pooled.get(seq.spec.draft, (0, 0))
-        p_draft = (acc + PRIOR_P * PRIOR_ROUNDS) / (acc + rej + PRIOR_ROUNDS)
-        s = seq.spec
-        return (s.num_accepted + p_draft * REQUEST_PRIOR_ROUNDS) / \
-            (s.num_accepted + s.num_rejections + REQUEST_PRIOR_ROUNDS)
+    def depth_probs(self, seq: Sequence, source: str, n: int) -> list[float]:
+        """Estimated probability that seq's draft at depth d (d < n) from `source` is accepted
+        given that every draft before it was: the request's own counts at that depth, shrunk
+        towards the source's pooled estimate for the request's domain, itself shrunk towards
+        the source's estimate over all domains, shrunk towards the estimate one depth
+        shallower (PRIOR_P at depth 0). Estimates are capped at 0.98 (no slot is certain)."""
+        src = self.pooled.get(source, ((), ()))
+        dom = self.pooled.get((source, seq.domain), ((), ()))
+        own = seq.spec.source_depth.get(source, ((), ()))
+        out, parent = [], PRIOR_P
+        for d in range(n):
+            p = parent
+            for (acc, judged), weight in ((src, PRIOR_ROUNDS), (dom, DOMAIN_PRIOR_ROUNDS),
+                                          (own, REQUEST_PRIOR_ROUNDS)):
+                if d < len(judged):
+                    p = (acc[d] + weight * p) / (judged[d] + weight)
+            out.append(min(p, MAX_P))
+            parent = out[-1]
+        return out
 
-    def choose_k(self, spec_rows: dict[str, list[Sequence]], num_plain_rows: int) -> int:
-        """The k (0..k_max) of this step that maximises expected tokens per second:
-        sum over rows of E[tokens | p_i, k] over (target forward of the batch with k+1 tokens
-        per speculating row + k forwards of each draft over its rows), from measured costs.
-        k = 0 is a plain step. Rows that do not speculate count 1 token at any k."""
-        costs, k_max = self.costs, self.config.num_speculative_tokens
-        if costs is None or not spec_rows:
-            return k_max
-        ps = [self.acceptance_p(seq) for rows in spec_rows.values() for seq in rows]
-        b_spec = len(ps)
-        base = costs.target_s(b_spec + num_plain_rows, 1) - costs.target_s(b_spec, 1)
-        draft_s = sum(costs.draft_s(name, len(rows)) for name, rows in spec_rows.items())
-        best_k, best_rate = 0, 0.0
-        for k in range(k_max + 1):
-            tokens = num_plain_rows + sum(expected_tokens_per_pass(p, k) for p in ps)
-            self.predicted[k] = base + costs.target_s(b_spec, k + 1) + k * draft_s
-            rate = tokens / max(self.predicted[k] * self._ratio(k), 1e-9)
+    def expected_tokens(self, seq: Sequence, source: str, n: int) -> float:
+        """Expected tokens of a round in which `source` drafts n tokens for seq: the
+        accepted drafts (sum of survival probabilities) and the target's token."""
+        tokens, survive = 1.0, 1.0
+        for p in self.depth_probs(seq, source, n):
+            survive *= p
+            tokens += survive
+        return tokens
+
+    def prefer_lookup(self, seq: Sequence, model: str, lookup: str, found: int,
+                      cost_ratio: float) -> bool:
+        """Routing of a row served by a model draft and a lookup source: whether the drafts
+        the lookup found this round (`found` tokens, free to make) promise at least the
+        tokens per target-pass cost of k model drafts (each costing cost_ratio of a pass),
+        by the row's estimates for each source (shrunk towards its domain's and the
+        source's pooled ones)."""
+        if not found:
+            return False
+        k = self.lookahead(seq)
+        by_model = self.expected_tokens(seq, model, k) / (1.0 + k * cost_ratio)
+        return self.expected_tokens(seq, lookup, found) >= by_model
+
+    def choose_lengths(self, rows: list[tuple[Sequence, str, int, bool]],
+                       num_plain_rows: int) -> list[int]:
+        """Draft lengths for this step's speculating rows, from slots admitted across all rows
+        in order of survival probability (the product of the row's per-depth acceptance
+        estimates up to the slot), keeping the number of slots at which the step's expected
+        tokens per second, from the measured costs and their online correction, is highest
+        (0 slots: the plain step). rows: (seq, source, most drafts, source is a model), the
+        most drafts of a lookup source being the drafts it has already found. Rows that do
+        not speculate count one token."""
+        costs = self.costs
+        self._chosen = None
+        if costs is None:
+            return [n for _, _, n, _ in rows]
+        slots = []
+        for i, (seq, source, n, _) in enumerate(rows):
+            survive = 1.0
+            for d, p in enumerate(self.depth_probs(seq, source, n)):
+                survive *= p
+                slots.append((-survive, d, i))
+        slots.sort()
+        num_rows = len(rows) + num_plain_rows
+        levels: dict[str, list[int]] = {}   # model source -> rows drafting at each depth
+        tokens = float(num_rows)
+        draft_s = 0.0
+        best_n, best_pred = 0, costs.target_tokens_s(num_rows, num_rows)
+        plain_pred = predicted = best_pred
+        best_rate = tokens / max(predicted * self._ratio(0), 1e-12)
+        spec_n, spec_pred, spec_rate = 0, 0.0, 0.0   # the best plan that speculates
+        for n, (neg_survive, d, i) in enumerate(slots, 1):
+            _, source, _, is_model = rows[i]
+            tokens -= neg_survive
+            if is_model:
+                level = levels.setdefault(source, [])
+                if d == len(level):
+                    level.append(0)
+                draft_s += costs.draft_s(source, level[d] + 1) - costs.draft_s(source, level[d])
+                level[d] += 1
+            predicted = costs.target_tokens_s(num_rows, num_rows + n) + draft_s
+            rate = tokens / max(predicted * self._ratio(self._key(n, num_rows)), 1e-12)
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+                best_n, best_rate, best_pred = n, rate, predicted
+            if rate > spec_rate:
+                spec_n, spec_rate, spec_pred = n, rate, predicted
+        self.num_choices += 1
+        if self.num_choices % EXPLORE == 0 and spec_n:
+            best_n, best_pred = (0, plain_pred) if best_n else (spec_n, spec_pred)
+        lengths = [0] * len(rows)
+        for _, d, i in slots[:best_n]:
+            lengths[i] = max(lengths[i], d + 1)
+        self._chosen = (self._key(best_n, num_rows), best_pred)
+        return lengths
 
-    def _ratio(self, k: int) -> float:
-        """Measured / predicted decode-step time for k (what the start-up costs leave out:
-        sampling, verification, bookkeeping, a busier machine); an untried k borrows the ratio
-        of the nearest tried one."""
-        if k in self.step_ratio or not self.step_ratio:
-            return self.step_ratio.get(k, 1.0)
-        return self.step_ratio[min(self.step_ratio, key=lambda j: (abs(j - k), j))]
+    def _key(self, num_slots: int, num_rows: int) -> int:
+        """Which online correction a step uses: its drafts per row, rounded (at least 1 when
+        it drafts at all), so that steps of similar shape share one."""
+        if num_slots == 0:
+            return 0
+        return max(1, min(self.config.num_speculative_tokens, round(num_slots / num_rows)))
 
-    def observe(self, k: int, seconds: float, weight: float = 0.1) -> None:
-        """Fold a step's measured time into the correction of its k. A step more than 10x off
-        the prediction (a one-time build, a pause of the process) is not a cost of its k and
-        is left out: a k judged dear is rarely tried again to correct it."""
-        predicted = self.predicted.get(k)
-        if predicted and 0.1 <= seconds / predicted <= 10.0:
-            r = seconds / predicted
-            self.step_ratio[k] = r if k not in self.step_ratio else \
-                (1 - weight) * self.step_ratio[k] + weight * r
+    def _ratio(self, key: int) -> float:
+        """Measured / predicted decode-step time (what the start-up costs leave out:
+        sampling, verification, bookkeeping, a busier machine): the ratio of all recent
+        steps times the relative ratio of steps of this key; an untried key borrows the
+        relative ratio of the nearest tried one."""
+        rel = self.step_ratio
+        if key not in rel and rel:
+            key = min(rel, key=lambda j: (abs(j - key), j))
+        return self.ratio * rel.get(key, 1.0)
+
+    def observe(self, seconds: float, weight: float = 0.1) -> None:
+        """Fold the measured time of the step whose lengths choose_lengths chose into the
+        corrections: the overall ratio (which follows the machine's load) and, relative to
+        it, its key's (what the model misses for steps of that shape). A step more than 10x
+        off the prediction (a one-time build, a pause of the process) is left out, and one
+        step moves a key's relative ratio by at most a factor of 2 before averaging, so a
+        burst of load on a busy machine cannot condemn a shape that is rarely retried."""
+        if self._chosen is None:
+            return
+        key, predicted = self._chosen
+        self._chosen = None
+        if not predicted or not 0.1 <= seconds / predicted <= 10.0:
+            return
+        r = seconds / predicted
+        first = not self.step_ratio
+        rel = min(max(r / self.ratio, 0.5), 2.0) if not first else 1.0
+        n = self.observed[key] = self.observed.get(key, 0) + 1
+        total = sum(self.observed.values())
+        # a plain mean over the first 1/weight observations, an EMA after
+        self.ratio = r if first else self.ratio + max(weight, 1 / total) * (r - self.ratio)
+        old = self.step_ratio.get(key, rel)
+        self.step_ratio[key] = old + max(weight, 1 / n) * (rel - old)

@@ -6,6 +6,8 @@
   threshold τ (draft state only, so sampling stays exact).
 - NgramProposer: prompt lookup (copy the continuation of the longest recent suffix match in
   prompt + output); deterministic drafts, so q is one-hot (draft_probs None).
+- SuffixProposer (spec/suffix.py): the most frequent continuation in suffix tries over the
+  request's own text and its domain's finished outputs; one-hot too.
 
 Both return, per row, the draft token ids and (model drafts) their probabilities q [n, V]:
 the proposer and the verifier meet through that data only."""
@@ -46,6 +48,9 @@ class DraftModelProposer:
         self.runner = runner
         self.threshold = confidence_threshold
         self.num_params = runner.num_params
+
+    def finish(self, seq: Sequence, completed: bool) -> None:
+        """seq left the engine (its KV blocks go with it)."""
 
     def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
         """rows: (seq, max_drafts >= 1). Brings each row's draft KV up to date, then drafts
@@ -106,6 +111,9 @@ class NgramProposer:
 
     def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
         return [Proposal(self.lookup(seq.token_ids, k), None) for seq, k in rows]
+
+    def finish(self, seq: Sequence, completed: bool) -> None:
+        """Nothing to forget: the lookup reads the sequence itself."""
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Continuation (<= k tokens) after the most recent earlier occurrence of the longest

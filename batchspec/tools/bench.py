@@ -4,8 +4,11 @@ prompts and the same target.
 Methods: `hf` (transformers generate, padded batches), `hf-assisted` (transformers assisted
 generation with the general draft, k constant, batch size 1 as it requires), `plain`
 (batchspec without drafts), `spec` (general draft), `spec-domain` (a draft per domain),
-`spec-adaptive` (a draft per domain, k chosen per step by expected goodput: adaptive_k),
-`ngram` (prompt lookup). For each batch size and temperature it reports tokens/s, α, tokens
+`spec-adaptive` (a draft per domain, each row's draft length chosen per step by expected
+goodput: adaptive_k), `ngram` (prompt lookup), `suffix` (suffix drafts: the request's own text
+and the outputs of earlier requests in the same run; every timed run starts with an empty
+job-wide trie), `suffix-adaptive` (suffix drafts with adaptive_k) and `spec-routed` (each
+domain's draft routed per row and round with suffix drafts, adaptive_k). For each batch size and temperature it reports tokens/s, α, tokens
 per target pass, speedups over each baseline and observed / theoretical speedup, where
 theoretical = E[tokens per pass] / (1 + k c) (Leviathan et al. 2023) with the per-token
 acceptance probability of batchspec.contract, c = draft/target parameter ratio, and
@@ -25,7 +28,32 @@ from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.tools import hfref
 from batchspec.tools.evaluate import load_prompts
 
-METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive", "ngram")
+METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive",
+           "spec-routed", "ngram", "suffix", "suffix-adaptive")
+LOOKUP_METHODS = {"ngram": "ngram", "suffix": "suffix", "suffix-adaptive": "suffix"}
+
+
+def templated_prompts(num: int) -> list[dict]:
+    """A repetitive job: every row asks for a summary of one function of the held-out
+    standard-library files (never seen in training) with the same template, so rows share
+    phrasing with each other more than with their own prompt. Domain `code`."""
+    import ast
+
+    from batchspec.demo.corpus import _cached_corpus
+    rows = []
+    for name, text in _cached_corpus()["code"]["heldout"]:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                src = (ast.get_source_segment(text, node) or "")[:300]
+                rows.append({"prompt": f"{src}\n\n# Summary of {node.name}() in {name}:\n"
+                                       f"# The function", "domain": "code"})
+                if len(rows) == num:
+                    return rows
+    return rows
 
 
 def _csv(kind):
@@ -57,6 +85,10 @@ def run_assisted(model, draft, prompt_ids, *, temperature, max_tokens, eos_id, s
 
 def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
     from batchspec import SamplingParams
+    from batchspec.spec.suffix import SuffixProposer
+    for proposer in llm.engine.proposers.values():   # each run starts afresh
+        if isinstance(proposer, SuffixProposer):
+            proposer.domains.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompt_ids, SamplingParams(temperature=temperature, max_tokens=max_tokens),
                         domains=domains[:len(prompt_ids)], use_tqdm=False)
@@ -70,13 +102,15 @@ def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
     from batchspec import LLM
     domain_drafts = {"default": models["draft"], "code": models["draft-code"],
                      "docs": models["draft-docs"]}
-    drafts = {"plain": {}, "spec": {"default": models["draft"]}, "ngram": {"default": "ngram"},
-              "spec-domain": domain_drafts, "spec-adaptive": domain_drafts}[method]
+    drafts = {"plain": {}, "spec": {"default": models["draft"]},
+              "spec-domain": domain_drafts, "spec-adaptive": domain_drafts,
+              "spec-routed": {d: f"{path}+suffix" for d, path in domain_drafts.items()},
+              **{m: {"default": src} for m, src in LOOKUP_METHODS.items()}}[method]
     # min_acceptance=0: measure speculation itself, without the production fallback.
     return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
                dtype=dtype, seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
                confidence_threshold=threshold, num_threads=threads,
-               adaptive_k=method == "spec-adaptive")
+               adaptive_k=method.endswith(("-adaptive", "-routed")))
 
 
 def finish_row(row, k, cost):
@@ -128,6 +162,9 @@ def print_table(rows):
 @click.option("--data", type=click.Path(exists=True, dir_okay=False),
               help="Parquet with prompt [, domain]; default: held-out standard-library prompts.")
 @click.option("--domain", help="Only prompts of this domain.")
+@click.option("--workload", type=click.Choice(["corpus", "templated"]), default="corpus",
+              show_default=True, help="Without --data: held-out corpus excerpts, or a "
+              "repetitive job (one summary template over held-out functions).")
 @click.option("--num-prompts", type=int, default=32, show_default=True)
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--batch-sizes", default="1,32", show_default=True, callback=_csv(int))
@@ -137,7 +174,7 @@ def print_table(rows):
 @click.option("--confidence-threshold", "threshold", type=float, default=0.0,
               show_default=True, help="batchspec drafts stop below this draft probability.")
 @click.option("--repeats", type=int, default=1, show_default=True,
-              help="Runs per cell; the fastest is reported.")
+              help="Runs per cell, the methods taking turns; the fastest is reported.")
 @click.option("--threads", type=int, help="torch threads for every method (default: as "
               "the engine picks for this target).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
@@ -145,7 +182,7 @@ def print_table(rows):
               "target on this CPU.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
-def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_tokens,
+def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_prompts, max_tokens,
           batch_sizes, temperatures, methods, k, threshold, repeats, threads, dtype, seed,
           json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
@@ -157,7 +194,10 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
     if not all(models.values()):
         from batchspec.demo import demo_models
         models = {name: path or demo_models()[name] for name, path in models.items()}
-    prompts = load_prompts(data, domain, num_prompts, split="heldout", seed=seed)
+    if workload == "templated" and data is None:
+        prompts = templated_prompts(num_prompts)
+    else:
+        prompts = load_prompts(data, domain, num_prompts, split="heldout", seed=seed)
     tok = hfref.load_tokenizer(models["target"])
     prompt_ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
@@ -178,32 +218,42 @@ def bench(target, draft, draft_code, draft_docs, data, domain, num_prompts, max_
     warm = prompt_ids[:2]
     rows = []
     for b in batch_sizes:
-        for method in methods:
-            if method == "hf-assisted" and b != 1:
-                continue
-            llm = make_llm(method, models, b, k, seed, threshold, torch.get_num_threads(),
-                           dtype) \
-                if method not in ("hf", "hf-assisted") else None
-            for t in temperatures:
+        cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
+        llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(), dtype)
+                for m in cell_methods if m not in ("hf", "hf-assisted")}
+        for t in temperatures:
+            runs = {}
+            for method in cell_methods:
                 if method == "hf":
-                    run = partial(run_hf, t_model, batch_size=b, temperature=t, **common)
+                    runs[method] = partial(run_hf, t_model, batch_size=b, temperature=t,
+                                           **common)
                 elif method == "hf-assisted":
-                    run = partial(run_assisted, t_model, d_model, temperature=t, k=k, **common)
+                    runs[method] = partial(run_assisted, t_model, d_model, temperature=t, k=k,
+                                           **common)
                 else:
-                    run = partial(run_engine, llm, domains=domains, temperature=t,
-                                  max_tokens=max_tokens)
-                run(warm)  # first-call costs (allocation, lazy init) are not throughput
-                # On a shared machine the fastest of a few runs is the least disturbed one.
-                best = min((run(prompt_ids) for _ in range(repeats)), key=lambda r: r["wall_s"])
-                row = {"method": method, "batch_size": b, "temperature": t, **best}
-                rows.append(finish_row(row, k, 0.0 if method == "ngram" else cost))
-                click.echo(f"{method} B={b} T={t}: {rows[-1]['tok_s']} tok/s", err=True)
+                    runs[method] = partial(run_engine, llms[method], domains=domains,
+                                           temperature=t, max_tokens=max_tokens)
+                runs[method](warm)  # first-call costs (allocation, lazy init) are not throughput
+            # Methods take turns, so a busy stretch of a shared machine hits all of them; the
+            # fastest of each method's runs is its least disturbed one.
+            results: dict[str, list[dict]] = {m: [] for m in runs}
+            for _ in range(repeats):
+                for method, run in runs.items():
+                    results[method].append(run(prompt_ids))
+            for method, res in results.items():
+                best = min(res, key=lambda r: r["wall_s"])
+                row = {"method": method, "batch_size": b, "temperature": t, **best,
+                       "runs_tok_s": [round(r["tokens"] / r["wall_s"], 1) for r in res]}
+                rows.append(finish_row(row, k, 0.0 if method in LOOKUP_METHODS else cost))
+                click.echo(f"{method} B={b} T={t}: {rows[-1]['tok_s']} tok/s "
+                           f"(runs {row['runs_tok_s']})", err=True)
     add_speedups(rows)
     print_table(rows)
     if json_path:
         info = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
-                "models": models, "num_prompts": len(prompts), "max_tokens": max_tokens,
+                "models": models, "workload": "data" if data else workload,
+                "num_prompts": len(prompts), "max_tokens": max_tokens,
                 "k": k, "dtype": dtype, "confidence_threshold": threshold, "repeats": repeats,
                 "cost_ratio": round(cost, 4), "rows": rows}
         with open(json_path, "w") as f:

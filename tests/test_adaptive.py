@@ -1,0 +1,136 @@
+"""Per-slot adaptive verification (SpecPolicy.choose_lengths): which draft slots a step
+admits, from per-depth acceptance estimates and measured step costs."""
+import pytest
+
+from batchspec.engine.sequence import Sequence
+from batchspec.sampling import SamplingParams
+from batchspec.spec.policy import SpecPolicy, StepCosts
+
+
+class Cfg:
+    num_speculative_tokens = 4
+
+
+def make_policy(target, draft=None):
+    policy = SpecPolicy(Cfg(), 1024)
+    policy.costs = StepCosts([1, 4, 32], target=target, draft=draft or {})
+    return policy
+
+
+def rows_with(policy, n, source, p, domain=None, rounds=200):
+    """n sequences served by `source` whose own history (and the pooled one) accepts each
+    depth with probability p."""
+    seqs = []
+    for i in range(n):
+        seq = Sequence(i, str(i), [1, 2], SamplingParams(), seed=0, domain=domain)
+        seq.spec.draft = source
+        seqs.append(seq)
+    judged = [1000] * 4
+    acc = [int(p * 1000)] * 4
+    policy.pooled[source] = (list(acc), list(judged))
+    policy.pooled[(source, domain)] = (list(acc), list(judged))
+    for seq in seqs:
+        seq.spec.source_depth[source] = ([int(p * rounds)] * 4, [rounds] * 4)
+    return seqs
+
+
+def flat(q_cost):
+    """Target cost that does not depend on the tokens per row (verification free)."""
+    return {q: [q_cost(1, q), q_cost(4, q), q_cost(32, q)] for q in range(1, 6)}
+
+
+def test_target_tokens_interpolates_ragged_windows():
+    costs = StepCosts([1, 4], target={q: [1.0 * q, 2.0 * q] for q in range(1, 6)})
+    assert costs.target_tokens_s(4, 4) == pytest.approx(2.0)     # q = 1
+    assert costs.target_tokens_s(4, 6) == pytest.approx(3.0)     # q = 1.5
+    assert costs.target_tokens_s(4, 100) == pytest.approx(10.0)  # capped at q = k + 1
+
+
+def test_free_verification_and_good_drafts_take_every_slot():
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4, 1e-4, 1e-4]})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    assert policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0) == [4] * 4
+
+
+def test_poor_drafts_or_dear_verification_take_none():
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.0)
+    assert policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0) == [0] * 4
+    # each verified token costs as much as a row's whole decode: nothing pays
+    policy = make_policy(flat(lambda b, q: 0.01 * b * q), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.7)
+    assert policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0) == [0] * 4
+
+
+def test_slots_go_to_the_rows_most_likely_to_keep_them():
+    """Verification costs grow with tokens: the good source's rows get the slots (and more
+    of them) before the poor source's, and a dearer step buys fewer slots."""
+    def cost(extra):
+        return flat(lambda b, q: 0.01 * b + extra * b * (q - 1))
+    lengths = {}
+    for extra in (0.001, 0.004):
+        policy = make_policy(cost(extra), {"good": [1e-4] * 3, "poor": [1e-4] * 3})
+        good = rows_with(policy, 2, "good", 0.9, domain="code")
+        poor = rows_with(policy, 2, "poor", 0.3, domain="docs")
+        lengths[extra] = policy.choose_lengths(
+            [(s, "good", 4, True) for s in good] + [(s, "poor", 4, True) for s in poor], 0)
+    cheap, dear = lengths[0.001], lengths[0.004]
+    assert min(cheap[:2]) > max(cheap[2:]) and cheap[:2] == [4, 4]
+    assert sum(dear) < sum(cheap) and dear[2:] == [0, 0]
+
+
+def test_lookup_rows_are_bounded_by_what_they_found():
+    policy = make_policy(flat(lambda b, q: 0.01 * b))
+    seqs = rows_with(policy, 3, "ngram", 0.9)
+    assert policy.choose_lengths([(seqs[0], "ngram", 2, False), (seqs[1], "ngram", 0, False),
+                                  (seqs[2], "ngram", 4, False)], 5) == [2, 0, 4]
+
+
+def test_estimates_shrink_towards_the_pool():
+    policy = SpecPolicy(Cfg(), 1024)
+    seq = Sequence(0, "0", [1], SamplingParams(), seed=0, domain="code")
+    seq.spec.draft = "d"
+    # no history at all: the prior at every depth
+    assert policy.depth_probs(seq, "d", 3) == pytest.approx([0.6] * 3)
+    policy.pooled["d"] = ([900, 400], [1000, 1000])
+    p = policy.depth_probs(seq, "d", 3)
+    assert p[0] == pytest.approx((900 + 6) / 1010)
+    assert p[1] == pytest.approx((400 + 10 * p[0]) / 1010)  # shrunk towards depth 0's
+    assert p[2] == pytest.approx(p[1])  # deeper than any data: the depth above
+    # one request that always rejects at depth 0 pulls its own estimate down, not the pool's
+    seq.spec.source_depth["d"] = ([0], [40])
+    assert policy.depth_probs(seq, "d", 1)[0] < 0.2 < p[0]
+
+
+def test_noisy_timings_are_smoothed_into_lines_in_q_and_monotone_in_b():
+    costs = StepCosts([1, 2], target={1: [2.0, 3.0], 2: [1.0, 3.5], 3: [3.0, 4.0]},
+                      draft={"d": [0.2, 0.1]})
+    costs.smooth()
+    assert [costs.target[q][0] for q in (1, 2, 3)] == pytest.approx([1.5, 2.0, 2.5])
+    assert [costs.target[q][1] for q in (1, 2, 3)] == pytest.approx([3.0, 3.5, 4.0])
+    assert costs.draft["d"] == [0.2, 0.2]
+    falling = StepCosts([1], target={1: [3.0], 2: [1.0]})
+    falling.smooth()                      # slope clipped at 0: the mean everywhere
+    assert falling.target == {1: [2.0], 2: [2.0]}
+
+
+def test_a_burst_of_load_moves_the_overall_ratio_not_one_shape():
+    policy = SpecPolicy(Cfg(), 1024)
+    for key in [0] + [2] * 10:
+        policy._chosen = (key, 1.0)
+        policy.observe(1.0)
+    policy._chosen = (2, 1.0)
+    policy.observe(8.0)                   # a step 8x slower than predicted
+    assert policy.step_ratio[2] <= 1.1    # its shape's relative ratio moves by <= 2x * 0.1
+    assert policy._ratio(0) == pytest.approx(policy.ratio * policy.step_ratio[0])
+    assert policy._ratio(3) == pytest.approx(policy.ratio * policy.step_ratio[2])  # nearest
+
+
+def test_every_tenth_choice_tries_the_other_side():
+    from batchspec.spec.policy import EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    picks = [policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+             for _ in range(2 * EXPLORE)]
+    plain = [i for i, p in enumerate(picks, 1) if p == [0] * 4]
+    assert plain == [EXPLORE, 2 * EXPLORE] and picks[0] == [4] * 4

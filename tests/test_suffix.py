@@ -1,0 +1,166 @@
+"""Suffix drafts: the depth-bounded suffix trie (counts, removal, matching), the proposer's
+per-request and job-wide parts, and exactness in the engine (greedy equals plain; sampled
+outputs follow the target's distribution)."""
+import random
+
+import pytest
+
+from batchspec import LLM, SamplingParams
+from batchspec.engine.sequence import Sequence
+from batchspec.spec.suffix import SuffixProposer, SuffixTrie
+from tests.test_spec import GREEDY, PROMPTS, assert_follows, check_record, exact_joint
+
+
+def substring_counts(texts, depth):
+    counts = {}
+    for text in texts:
+        for i in range(len(text)):
+            for j in range(i + 1, min(i + depth, len(text)) + 1):
+                counts[tuple(text[i:j])] = counts.get(tuple(text[i:j]), 0) + 1
+    return counts
+
+
+def trie_counts(trie):
+    out, stack = {}, [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        for t, child in trie.children[node].items():
+            out[path + (t,)] = trie.count[child]
+            stack.append((child, path + (t,)))
+    return out
+
+
+def test_trie_counts_every_bounded_substring_and_removal_undoes_insertion():
+    rng = random.Random(0)
+    texts = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    trie = SuffixTrie(depth=5)
+    for t in texts:
+        trie.insert(t)
+    assert trie_counts(trie) == substring_counts(texts, 5)
+    assert trie.num_nodes == 1 + len(substring_counts(texts, 5))
+    for t in texts[:3]:
+        trie.remove(t)
+    assert trie_counts(trie) == substring_counts(texts[3:], 5)
+    nodes = trie.num_nodes
+    trie.insert(texts[0])   # freed nodes are reused: no growth beyond what is held
+    assert trie.num_nodes == 1 + len(substring_counts(texts[3:] + texts[:1], 5))
+    assert len(trie.count) <= max(nodes, trie.num_nodes) + len(trie._free)
+    for t in texts[3:] + texts[:1]:
+        trie.remove(t)
+    assert trie.num_nodes == 1 and trie.children[0] == {}
+
+
+def test_longest_match_and_most_frequent_continuation():
+    trie = SuffixTrie(depth=8)
+    for text in ([1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [7, 3, 4, 5, 1], [2, 3, 4, 5, 8]):
+        trie.insert(text)
+    node, length = trie.longest_match([0, 0, 2, 3, 4], max_len=6)
+    assert length == 3 and trie.count[node] == 3           # "2 3 4" three times
+    tokens, expected = trie.continuation(node, 4, min_prob=0.1)
+    # 5 follows it twice, 6 once; "2 3 4 5" continues only with 8 (once it ends a text)
+    assert tokens == [5, 8] and expected == pytest.approx(2 / 3 + 2 / 3)
+    assert trie.continuation(node, 4, min_prob=0.7)[0] == []   # the frequency cut
+    assert trie.longest_match([0, 0], 6) == (0, 0)
+
+
+def seq_of(tokens, seq_id=0, domain=None):
+    return Sequence(seq_id, str(seq_id), tokens, SamplingParams(), seed=0, domain=domain)
+
+
+def test_request_part_needs_an_earlier_occurrence_and_scales_with_the_match():
+    prop = SuffixProposer()
+    s = seq_of([5, 6, 7, 8, 1, 5, 6, 7])
+    assert prop.draft(s, 4) == [8, 1, 5]    # match of 3 tokens: at most 3 drafted
+    s.token_ids += [8]
+    assert prop.draft(s, 4) == [1, 5, 6, 7]
+    assert prop.draft(seq_of([1, 2, 3], seq_id=1), 4) == []  # nothing earlier
+
+
+def test_job_wide_part_drafts_from_finished_outputs_of_the_domain_and_is_bounded():
+    prop = SuffixProposer(max_tokens=10)
+    done = seq_of([1, 2], domain="a")
+    done.token_ids += [10, 11, 12, 13, 14, 15]
+    prop.finish(done, completed=True)
+    assert prop.draft(seq_of([3, 10, 11, 12], seq_id=1, domain="a"), 4) == [13, 14, 15]
+    assert prop.draft(seq_of([3, 10, 11, 12], seq_id=2, domain="b"), 4) == []
+    aborted = seq_of([1], seq_id=3, domain="a")
+    aborted.token_ids += [20, 21, 22]
+    prop.finish(aborted, completed=False)   # an aborted output teaches nothing
+    assert prop.domains["a"].tokens == 6
+    newer = seq_of([1], seq_id=4, domain="a")
+    newer.token_ids += [30, 31, 32, 33, 34]
+    prop.finish(newer, completed=True)      # 6 + 5 > 10: the oldest output goes
+    assert prop.domains["a"].tokens == 5 and list(prop.domains["a"].texts) == [[30, 31, 32, 33, 34]]
+    assert prop.draft(seq_of([10, 11], seq_id=5, domain="a"), 4) == []
+    assert set(prop.requests) == {1, 2, 5}  # finished requests' own tries are dropped
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(tiny_llama, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_suffix_equals_plain(tiny_llama, plain, adaptive):
+    llm = LLM(tiny_llama, drafts={"default": "suffix"}, device="cpu", min_acceptance=0.0,
+              adaptive_k=adaptive, max_num_seqs=2)
+    # twice: the second pass drafts from the first pass's outputs (job-wide part)
+    first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    second = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for p, a, b in zip(plain, first, second):
+        assert a.token_ids == p.token_ids == b.token_ids
+        assert b.draft == "suffix"
+        check_record(b)
+    drafted = [sum(o.stats["total_drafted"] for o in outs) for outs in (first, second)]
+    accepted = sum(o.stats["total_accepted"] for o in second)
+    assert drafted[1] > drafted[0] and accepted > 0
+
+
+@pytest.mark.slow
+def test_suffix_sampling_is_exact(model_factory):
+    """Sampled outputs through suffix drafts follow the target's distribution: the first
+    three outputs of many requests, against the exact joint by enumeration. The job-wide
+    trie fills with earlier requests' outputs, so most rounds draft, and drafts both pass
+    and fail."""
+    V = 6
+    target = model_factory("llama", vocab_size=V, tokenizer=False, init_std=0.25, seed=11)
+    llm = LLM(target, drafts={"default": "suffix"}, num_speculative_tokens=4, device="cpu",
+              min_acceptance=0.0, suffix_min_prob=0.0)
+    prompt, n = [1, 2, 3], 6000
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s) for s in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    drafted = sum(o.stats["total_drafted"] for o in outs)
+    accepted = sum(o.stats["total_accepted"] for o in outs)
+    assert drafted > 0.3 * n and 0 < accepted < drafted
+    assert_follows(outs, exact_joint(llm, prompt, 3, 1.0, 1.0))
+
+
+def test_templated_workload_is_held_out_and_shares_one_template():
+    from batchspec.tools.bench import templated_prompts
+    rows = templated_prompts(12)
+    assert len(rows) == 12 and {r["domain"] for r in rows} == {"code"}
+    assert all("\n\n# Summary of " in r["prompt"] and r["prompt"].endswith("# The function")
+               for r in rows)
+
+
+def test_routed_rows_choose_per_round_and_stay_exact(tiny_llama, tiny_draft, plain):
+    """DIR+suffix: each round a row keeps the suffix drafts when its estimates favour them,
+    else the model drafts; greedy outputs stay the plain ones, and the record names the
+    source of every round that drafted."""
+    for adaptive in (False, True):
+        llm = LLM(tiny_llama, drafts={"default": f"{tiny_draft}+suffix"}, device="cpu",
+                  min_acceptance=0.0, adaptive_k=adaptive, max_num_seqs=2)
+        outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False)
+        sources = set()
+        for p, o in zip(plain * 2, outs):
+            assert o.token_ids == p.token_ids
+            check_record(o)
+            s = o.stats
+            assert len(s["round_source"]) == s["rounds"]
+            assert all((src is None) == (d == 0)
+                       for src, d in zip(s["round_source"], s["round_drafted"]))
+            sources |= set(s["round_source"]) - {None}
+        assert "suffix" in sources and sources <= {"suffix", tiny_draft}
+    # a random model draft is almost never right: the suffix source wins the rounds it can
+    assert sum(src == "suffix" for o in outs for src in o.stats["round_source"]) > \
+        sum(src == tiny_draft for o in outs for src in o.stats["round_source"])
