@@ -1,4 +1,5 @@
-"""A real redis-server on a free loopback port, and real Celery worker processes.
+"""A real redis-server on a free loopback port, real Celery worker processes, and a model
+slow enough for a test to catch a shard mid-generation.
 
 Loaded as a pytest plugin by conftest.py. Nothing here is mocked: the job tests talk to the
 same Redis and Celery a deployment uses."""
@@ -33,6 +34,45 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class RedisServer:
+    """A redis-server with AOF persistence (appendonly yes, appendfsync everysec, as
+    docs/operations.md recommends) in `folder`, that can be killed and restarted on the same
+    port and data directory."""
+
+    def __init__(self, folder, port: int | None = None):
+        self.folder, self.port = str(folder), port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 20) -> RedisServer:
+        import redis
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.folder],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+
+        def up():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"redis-server exited ({self.proc.returncode})")
+            try:
+                return client.ping()
+            except redis.exceptions.BusyLoadingError:
+                return False
+            except redis.ConnectionError:
+                return False
+        wait_until(up, timeout, "redis-server to accept connections", 0.05)
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +134,7 @@ class Worker:
 
     def __init__(self, url: str, log_path: str, name: str, env: dict | None = None,
                  pool: str = "prefork"):
-        self.log_path = log_path
+        self.log_path, self.name = log_path, name
         self.log = open(log_path, "ab")
         cmd = [sys.executable, "-m", "batchspec.cli", "worker", "--broker", url,
                "--pool", pool, "--concurrency", "1", "--loglevel", "INFO",
@@ -116,8 +156,22 @@ class Worker:
         with open(self.log_path, "rb") as f:
             return f.read()[-n:].decode(errors="replace")
 
+    def pids(self) -> set[int]:
+        """The worker's process and its pool children."""
+        pids = {self.proc.pid}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                            pids.add(int(entry))
+                except OSError:
+                    continue
+        return pids
+
     def kill(self):
-        """kill -9 the worker and its pool children."""
+        """kill -9 the worker and its pool children (the whole process group, as when the
+        host dies)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
@@ -149,3 +203,13 @@ def start_worker(redis_server, tmp_path_factory):
     yield start
     for w in workers:
         w.stop()
+
+
+@pytest.fixture(scope="session")
+def slow_model(model_factory):
+    """A model large enough (19M parameters) that a shard of a few hundred tokens takes
+    seconds, for the tests that must catch a shard mid-generation (kill, cancel): the tiny
+    model finishes such a shard before a test can see it running. Greedy, it runs to
+    max_tokens on those tests' rows (no early EOS)."""
+    return model_factory("llama", hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=6,
+                         seed=2)

@@ -1,6 +1,6 @@
 """Bulk jobs through a real redis-server and real `batchspec worker` processes: errors
-file and counts, resume, a poison shard, cancellation, kill -9 mid-shard, beat schedules,
-and `run` == `submit`."""
+file and counts, resume, a poison shard, cancellation, beat schedules, and `run` ==
+`submit` (worker and Redis faults: test_faults.py)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -54,16 +54,6 @@ def inputs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(tiny_llama, tiny_draft):
     return ["--model", tiny_llama, "--draft", f"default={tiny_draft}", "--draft", "code=ngram"]
-
-
-@pytest.fixture(scope="module")
-def slow_model(model_factory):
-    """A model large enough (19M parameters) that a shard of a few hundred tokens takes
-    seconds, for the tests that must catch a shard mid-generation (kill, cancel): the tiny
-    model finishes such a shard before a test can see it running. Greedy, it runs to
-    max_tokens on those tests' rows (no early EOS)."""
-    return model_factory("llama", hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=6,
-                         seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -255,30 +245,3 @@ def test_beat_schedule_submits_and_completes_a_job(worker, redis_server, store, 
     for j in store.recent(20):  # later firings finish before the module's worker stops
         if j["job_id"].startswith("beat-quick"):
             wait_job(store, j["job_id"])
-
-
-@pytest.mark.slow
-def test_kill_9_mid_shard_then_new_worker(start_worker, redis_server, slow_model, tmp_path):
-    url = redis_server.rsplit("/", 1)[0] + "/1"  # own database: the main worker can't help
-    store = JobStore(url)
-    env = {"BATCHSPEC_VISIBILITY_TIMEOUT": "4"}
-    victim = start_worker("victim", url=url, **env)
-    # The first shard is long enough to be caught generating; the others are quick.
-    path = write_rows(tmp_path / "k.parquet", [f"row {i}" for i in range(6)],
-                      [200, 200, 8, 8, 8, 8])
-    out = tmp_path / "out"
-    job_id = batchspec(url, "submit", path, "-o", out, "--model", slow_model,
-                       "--shard-size", 2).stdout.strip().splitlines()[-1]
-    [shard] = wait_until(lambda: list(store.running_progress(job_id)), 120,
-                         "a shard to be generating", 0.02)
-    victim.kill()
-    assert not (out / "outputs" / f"part-{shard}.parquet").exists()
-    start_worker("rescuer", url=url, **env)
-    job = wait_job(store, job_id)
-    assert job["state"] == "completed"
-    ids = read_dir(out, "outputs").column("id").to_pylist()  # only part files in the dir
-    assert sorted(ids) == [f"k{i}" for i in range(6)]
-    for kind in ("acceptance", "errors"):
-        read_dir(out, kind)
-    assert store.attempts(job_id, shard) >= 2
-    assert job["requests_completed"] == 6 and job["shards_completed"] == 3

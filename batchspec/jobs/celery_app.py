@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from celery.signals import beat_init, worker_ready
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 QUEUE = "batchspec"
@@ -54,7 +55,15 @@ def configure(app: Celery, url: str) -> None:
         worker_prefetch_multiplier=1,
         task_default_queue=QUEUE,
         result_expires=7 * 24 * 3600,
+        # Nobody reads task results (the job store holds what matters): a task never fails
+        # because the result backend is briefly unreachable.
+        task_ignore_result=True,
+        # Workers outlive Redis restarts: reconnect forever; a running shard keeps running
+        # (its lease and the job store carry it through, docs/operations.md "Faults").
         broker_connection_retry_on_startup=True,
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         timezone="UTC",
         enable_utc=True,
     )
@@ -62,6 +71,15 @@ def configure(app: Celery, url: str) -> None:
 
 app = Celery("batchspec", include=["batchspec.jobs.tasks"])
 configure(app, redis_url())
+
+
+@worker_ready.connect
+@beat_init.connect
+def _start_checks(sender=None, **_):
+    """Every worker's main process and beat check the active jobs periodically: shards of
+    dead workers are re-queued and finished jobs finalized even when nobody watches."""
+    from batchspec.jobs.tasks import start_checker
+    start_checker()
 
 
 def use_broker(url: str | None) -> Celery:

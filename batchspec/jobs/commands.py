@@ -229,12 +229,26 @@ def _get_job(store, job_id: str) -> dict:
 
 def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> dict:
     """Follow a job to its end with a progress bar on stderr (requests, tokens/s)."""
+    import redis
     from tqdm.auto import tqdm
+
+    from batchspec.jobs.tasks import Every, try_reconcile
     job = _get_job(store, job_id)
+    check = Every(5.0, lambda: try_reconcile(job_id, store))
     with tqdm(total=job["requests_total"], unit="req", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:
+        down_since = None
         while True:
-            job = _get_job(store, job_id)
+            check()  # carries the job on if its workers died or Redis restarted
+            try:
+                job = _get_job(store, job_id)
+                down_since = None
+            except redis.ConnectionError:  # a Redis restart: wait it out, up to a minute
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > 60:
+                    raise
+                time.sleep(1.0)
+                continue
             done = job["requests_completed"] + job["requests_failed"]
             bar.update(min(done + job["requests_in_progress"], bar.total) - bar.n)
             bar.set_postfix_str(f"{job['state']} {job.get('tokens_per_s', 0):.1f} tok/s")
@@ -287,7 +301,10 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
 @clear_errors
 def status(ctx, job_id, as_json):
     """State, counts and throughput of a job."""
+    from batchspec.jobs.tasks import try_reconcile
     store = _store(ctx)
+    _get_job(store, job_id)
+    try_reconcile(job_id, store)
     job = _get_job(store, job_id)
     # Where running and failed shards are (host, pid, attempt, error): where to look.
     info, states = store.shard_info(job_id), store.shard_states(job_id)
@@ -354,12 +371,15 @@ def cancel(ctx, job_id):
                                       "crashed child; solo runs shards in this process.")
 @click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
 @click.option("--hostname", help="Celery node name (default: celery@HOST).")
+@click.option("--stream", is_flag=True, envvar="BATCHSPEC_STREAM",
+              help="Keep each process's engine full across shard tasks (the next shard's "
+                   "rows join the batch while this one's tail generates).")
 @metrics_option
 @broker_option
 @click.pass_context
 @clear_errors
 def worker(ctx, device, tensor_parallel_size, concurrency, pool, loglevel, hostname,
-           metrics_port):
+           metrics_port, stream):
     """Start a Celery worker that runs shards."""
     import os
 
@@ -375,6 +395,7 @@ def worker(ctx, device, tensor_parallel_size, concurrency, pool, loglevel, hostn
         for name in device.split(","):
             check_device(name.strip())
         os.environ["BATCHSPEC_DEVICE"] = device  # read by the pool's children
+    os.environ["BATCHSPEC_STREAM"] = "1" if stream else ""
     if metrics_port:  # before the pool forks: its children record, this process serves
         from batchspec.jobs.metrics import serve_worker
         serve_worker(metrics_port, ctx.obj["broker"], QUEUE)

@@ -8,9 +8,15 @@ Keys (prefix `batchspec:`):
   job:ID:info          hash shard -> JSON (host, pid, started/finished, skipped, error)
   job:ID:attempts      hash shard -> deliveries so far (survives worker crashes)
   job:ID:progress      hash shard -> "finished_requests tokens" of a running shard
+  job:ID:owner         hash shard -> lease token of the worker running it
+  job:ID:lease:SHARD   the running shard's lease: its worker's token, with a TTL the worker
+                       keeps renewing; gone = the worker is dead (see batchspec.jobs.lease)
+  active               set of the jobs not yet final (what the periodic checks look at)
 
-Updates that must not race (a shard finishing, the job starting, cancel) are Lua scripts,
-so exactly one task sees "that was the last shard" and finalizes: no chords needed."""
+Updates that must not race (a shard starting, renewing or losing its lease, finishing, the
+job finalizing, cancel) are Lua scripts, so a shard runs under one live lease at a time,
+is re-queued once when its lease expires, and exactly one task finalizes: no chords
+needed."""
 from __future__ import annotations
 
 import datetime as dt
@@ -18,6 +24,8 @@ import json
 import urllib.parse
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from batchspec.jobs.shards import Shard
 
@@ -25,21 +33,61 @@ PREFIX = "batchspec:"
 COUNTERS = ("shards_total", "shards_completed", "shards_failed", "shards_cancelled",
             "requests_total", "requests_completed", "requests_failed", "tokens_generated")
 
-_START = """
+ENDED_LUA = "s == 'completed' or s == 'failed' or s == 'cancelled'"
+
+# KEYS: job, state, attempts, lease, owner. ARGV: shard, now, token, ttl ms, the token of a
+# dead holder this worker may take over ('' for none).
+# Returns the attempt number, -1 if another worker holds a live lease, -2 if the shard ended.
+_START = f"""
+local s = redis.call('HGET', KEYS[2], ARGV[1])
+if {ENDED_LUA} then return -2 end
+local holder = redis.call('GET', KEYS[4])
+if holder and holder ~= ARGV[5] then return -1 end
 local n = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
 if redis.call('HGET', KEYS[1], 'state') == 'queued' then
   redis.call('HSET', KEYS[1], 'state', 'running', 'started_at', ARGV[2])
 end
 redis.call('HSET', KEYS[2], ARGV[1], 'running')
+redis.call('SET', KEYS[4], ARGV[3], 'PX', ARGV[4])
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[3])
 return n
 """
 
+# KEYS: state, lease, owner. ARGV: shard, token, ttl ms. 1 renewed, 0 the lease is not ours
+# (the shard ended, or was re-queued after our lease expired).
+_RENEW = """
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'running' then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
+# KEYS: state, lease, owner, progress. ARGV: shard, token ('' = any holder, if the lease is
+# gone). Puts a running shard back to queued: a lease holder giving it up (to be retried),
+# or anyone noticing its lease expired. Exactly one caller gets 1 and sends the task.
+_REQUEUE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'running' then return 0 end
+if ARGV[2] == '' then
+  if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+elseif redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], 'queued')
+redis.call('DEL', KEYS[2])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+return 1
+"""
+
 # ARGV: shard, outcome (completed|failed|cancelled), requests ok, requests failed, tokens
-_FINISH = """
+# KEYS: job, state, progress, lease, owner.
+_FINISH = f"""
 local s = redis.call('HGET', KEYS[2], ARGV[1])
-if s == 'completed' or s == 'failed' or s == 'cancelled' then return -1 end
+if {ENDED_LUA} then return -1 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[4])
+redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'shards_' .. ARGV[2], 1)
 redis.call('HINCRBY', KEYS[1], 'requests_completed', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'requests_failed', ARGV[4])
@@ -47,10 +95,25 @@ redis.call('HINCRBY', KEYS[1], 'tokens_generated', ARGV[5])
 local c = redis.call('HMGET', KEYS[1], 'shards_total', 'shards_completed', 'shards_failed',
                      'shards_cancelled')
 if tonumber(c[2]) + tonumber(c[3]) + tonumber(c[4]) >= tonumber(c[1]) then
-  redis.call('HSET', KEYS[1], 'state', 'finalizing')
+  redis.call('HSET', KEYS[1], 'state', 'finalizing', 'finalizing_since', ARGV[6])
   return 1
 end
 return 0
+"""
+
+# KEYS: job, state. ARGV: now (epoch s), seconds after which a finalizer that has not
+# finished is presumed dead. 1 when every shard has ended and the caller is to finalize.
+_CLAIM_FINALIZE = f"""
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st or st == 'completed' or st == 'completed_with_errors' or st == 'failed'
+   or st == 'cancelled' then return 0 end
+for _, s in ipairs(redis.call('HVALS', KEYS[2])) do
+  if not ({ENDED_LUA}) then return 0 end
+end
+local since = tonumber(redis.call('HGET', KEYS[1], 'finalizing_since') or '0')
+if st == 'finalizing' and since + tonumber(ARGV[2]) > tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'finalizing', 'finalizing_since', ARGV[1])
+return 1
 """
 
 _CANCEL = """
@@ -63,20 +126,36 @@ return s
 """
 
 
-def redis_client(url: str) -> redis.Redis:
+def retry_policy(seconds: float) -> Retry:
+    """Retry a command on connection errors with exponential backoff (0.1 s doubling up to
+    2 s) for about `seconds` in all: a Redis restart costs a worker a pause, not its shard."""
+    delays, total = 0, 0.0
+    while total < seconds:
+        total += min(2.0, 0.1 * 2 ** delays)
+        delays += 1
+    return Retry(ExponentialBackoff(cap=2.0, base=0.1), delays,
+                 (redis.ConnectionError, redis.TimeoutError, TimeoutError, ConnectionError))
+
+
+def redis_client(url: str, retry_s: float = 0) -> redis.Redis:
     """A client for redis://, rediss://, unix:// URLs, or for the master behind Redis
     Sentinel: 'sentinel://host1:26379/0;sentinel://host2:26379/0' (the same URL Celery
-    takes; the master's name comes from BATCHSPEC_REDIS_MASTER)."""
+    takes; the master's name comes from BATCHSPEC_REDIS_MASTER). Commands that cannot reach
+    Redis are retried for about `retry_s` seconds before raising."""
+    opts = {"decode_responses": True, "socket_connect_timeout": 5, "socket_timeout": 30,
+            "health_check_interval": 30}
+    if retry_s > 0:
+        opts |= {"retry": retry_policy(retry_s),
+                 "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
     if not url.startswith("sentinel://"):
-        return redis.Redis.from_url(url, decode_responses=True)
+        return redis.Redis.from_url(url, **opts)
     from redis.sentinel import Sentinel
 
     from batchspec.jobs.celery_app import master_name
     parts = [urllib.parse.urlparse(p.strip()) for p in url.split(";") if p.strip()]
     db = int(parts[0].path.strip("/") or 0)
     sentinel = Sentinel([(p.hostname, p.port or 26379) for p in parts], socket_timeout=5)
-    return sentinel.master_for(master_name(), db=db, password=parts[0].password,
-                               decode_responses=True)
+    return sentinel.master_for(master_name(), db=db, password=parts[0].password, **opts)
 
 
 def now_iso() -> str:
@@ -84,10 +163,14 @@ def now_iso() -> str:
 
 
 class JobStore:
-    def __init__(self, url: str):
-        self.r = redis_client(url)
+    def __init__(self, url: str, retry_s: float = 0):
+        self.url = url
+        self.r = redis_client(url, retry_s)
         self._start = self.r.register_script(_START)
+        self._renew = self.r.register_script(_RENEW)
+        self._requeue = self.r.register_script(_REQUEUE)
         self._finish = self.r.register_script(_FINISH)
+        self._claim_finalize = self.r.register_script(_CLAIM_FINALIZE)
         self._cancel = self.r.register_script(_CANCEL)
 
     def _key(self, job_id: str, part: str = "") -> str:
@@ -106,7 +189,23 @@ class JobStore:
                       mapping={s.id: json.dumps(s.to_dict()) for s in shards})
             pipe.hset(self._key(job_id, "state"), mapping={s.id: "queued" for s in shards})
         pipe.zadd(PREFIX + "jobs", {job_id: dt.datetime.now(dt.UTC).timestamp()})
+        pipe.sadd(PREFIX + "active", job_id)
         pipe.execute()
+
+    def active_jobs(self) -> list[str]:
+        """Jobs not yet final: what the periodic checks reconcile."""
+        return sorted(self.r.smembers(PREFIX + "active"))
+
+    def job_field(self, job_id: str, field: str) -> str | None:
+        return self.r.hget(self._key(job_id), field)
+
+    def drop_active(self, job_id: str) -> None:
+        self.r.srem(PREFIX + "active", job_id)
+
+    def set_final(self, job_id: str, **fields) -> None:
+        """Record a job's end (its state among `fields`): it leaves the active set."""
+        self.set_fields(job_id, **fields)
+        self.r.srem(PREFIX + "active", job_id)
 
     def exists(self, job_id: str) -> bool:
         return bool(self.r.exists(self._key(job_id)))
@@ -135,11 +234,50 @@ class JobStore:
         info = json.loads(self.r.hget(key, shard_id) or "{}")
         self.r.hset(key, shard_id, json.dumps(info | fields))
 
-    def start_attempt(self, job_id: str, shard_id: str) -> int:
-        """Count a delivery of the shard (before any work, so a crash still counts) and mark
-        it and the job running. Returns the attempt number."""
-        keys = [self._key(job_id), self._key(job_id, "state"), self._key(job_id, "attempts")]
-        return int(self._start(keys=keys, args=[shard_id, now_iso()]))
+    def lease_key(self, job_id: str, shard_id: str) -> str:
+        return self._key(job_id, f"lease:{shard_id}")
+
+    def lease_holder(self, job_id: str, shard_id: str) -> str | None:
+        return self.r.get(self.lease_key(job_id, shard_id))
+
+    def start_attempt(self, job_id: str, shard_id: str, token: str = "", ttl_s: float = 30,
+                      take_over: str = "") -> int:
+        """Take the shard's lease (as `token`, for ttl_s), count a delivery of the shard
+        (before any work, so a crash still counts) and mark it and the job running. Returns
+        the attempt number; -1 when another live worker holds the lease (this delivery is
+        a duplicate: it must not run), -2 when the shard has already ended. `take_over` is
+        the token of a holder known to be dead, whose lease may be replaced."""
+        keys = [self._key(job_id), self._key(job_id, "state"), self._key(job_id, "attempts"),
+                self.lease_key(job_id, shard_id), self._key(job_id, "owner")]
+        return int(self._start(keys=keys, args=[shard_id, now_iso(), token,
+                                                max(1, int(ttl_s * 1000)), take_over]))
+
+    def renew_lease(self, job_id: str, shard_id: str, token: str, ttl_s: float) -> bool:
+        """Extend the lease; False when it is no longer ours."""
+        keys = [self._key(job_id, "state"), self.lease_key(job_id, shard_id),
+                self._key(job_id, "owner")]
+        return bool(self._renew(keys=keys, args=[shard_id, token, max(1, int(ttl_s * 1000))]))
+
+    def requeue(self, job_id: str, shard_id: str, token: str = "") -> bool:
+        """Put a running shard back to queued: as its lease holder (`token`) giving it up,
+        or (no token) because its lease expired. True for the one caller that did it, which
+        then sends the shard's task."""
+        keys = [self._key(job_id, "state"), self.lease_key(job_id, shard_id),
+                self._key(job_id, "owner"), self._key(job_id, "progress")]
+        return bool(self._requeue(keys=keys, args=[shard_id, token]))
+
+    def leases_alive(self, job_id: str, shard_ids: list[str]) -> dict[str, bool]:
+        pipe = self.r.pipeline(transaction=False)
+        for s in shard_ids:
+            pipe.exists(self.lease_key(job_id, s))
+        return dict(zip(shard_ids, map(bool, pipe.execute()), strict=True))
+
+    def claim_finalize(self, job_id: str, stale_s: float = 60) -> bool:
+        """True when every shard has ended and the job is not final, nor being finalized by
+        someone who started less than stale_s ago: the caller finalizes."""
+        keys = [self._key(job_id), self._key(job_id, "state")]
+        return bool(self._claim_finalize(keys=keys, args=[dt.datetime.now(dt.UTC).timestamp(),
+                                                          stale_s]))
 
     def attempts(self, job_id: str, shard_id: str) -> int:
         return int(self.r.hget(self._key(job_id, "attempts"), shard_id) or 0)
@@ -156,9 +294,11 @@ class JobStore:
                      requests_failed: int = 0, tokens: int = 0) -> int:
         """Record a shard's end once. Returns 1 if it was the job's last shard (the caller
         finalizes), 0 if not, -1 if the shard had already ended (a redelivery)."""
-        keys = [self._key(job_id), self._key(job_id, "state"), self._key(job_id, "progress")]
+        keys = [self._key(job_id), self._key(job_id, "state"), self._key(job_id, "progress"),
+                self.lease_key(job_id, shard_id), self._key(job_id, "owner")]
         return int(self._finish(keys=keys, args=[shard_id, outcome, requests_ok,
-                                                 requests_failed, tokens]))
+                                                 requests_failed, tokens,
+                                                 dt.datetime.now(dt.UTC).timestamp()]))
 
     def cancel(self, job_id: str) -> str:
         return self._cancel(keys=[self._key(job_id)])
@@ -196,9 +336,20 @@ class JobStore:
     def expire(self, job_id: str, seconds: int) -> None:
         """Let an ended job's keys go after `seconds` (its files stay in OUT)."""
         pipe = self.r.pipeline()
-        for part in ("", "plan", "state", "info", "attempts", "progress"):
+        for part in ("", "plan", "state", "info", "attempts", "progress", "owner"):
             pipe.expire(self._key(job_id, part), seconds)
         pipe.execute()
+
+    def broker_messages(self, queue: str, max_age_s: float) -> list[str]:
+        """The raw task messages waiting in the Celery queue `queue`, and those delivered to
+        a worker less than max_age_s ago and not yet acknowledged (kombu's Redis transport
+        keeps them in the `unacked` hash, their delivery times in `unacked_index`). An
+        older unacknowledged message belongs to a worker that died with it, or is a shard
+        already started (whose lease then speaks for it)."""
+        cutoff = dt.datetime.now(dt.UTC).timestamp() - max_age_s
+        recent = self.r.zrangebyscore("unacked_index", cutoff, "+inf")
+        held = [m for m in (self.r.hmget("unacked", recent) if recent else []) if m]
+        return self.r.lrange(queue, 0, -1) + held
 
     def recent(self, limit: int = 20) -> list[dict]:
         ids = self.r.zrevrange(PREFIX + "jobs", 0, limit - 1)

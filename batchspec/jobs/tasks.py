@@ -1,10 +1,19 @@
-"""Celery tasks: run one shard of a job, submit a scheduled job. Tasks take ids and paths;
-the spec and the shard plan are read from the job store.
+"""Celery tasks: run one shard of a job, submit a scheduled job; and the checks that carry a
+job to its end through worker deaths and Redis restarts. Tasks take ids and paths; the spec
+and the shard plan are read from the job store.
 
 A worker process keeps one engine loaded (the models load on its first shard, never in the
-worker's parent process) and reuses it for every shard with the same engine settings."""
+worker's parent process) and reuses it for every shard with the same engine settings.
+
+A shard runs under a lease (batchspec.jobs.lease). `reconcile(job_id)` brings a job
+forward from whatever Redis holds and what the output directory says: it re-queues running
+shards whose lease expired, records shards whose outputs file exists (the commit point) as
+completed, re-sends queued shards whose task message was lost, and finalizes a job whose
+shards have all ended. Every worker runs it periodically on the active jobs, and so do
+beat, `batchspec status` and `submit --wait`."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime as dt
 import gc
@@ -12,25 +21,52 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 
-from batchspec.jobs.celery_app import app
-from batchspec.jobs.runner import fail_shard, is_done, run_shard, start_job
+import pyarrow.parquet as pq
+from celery.signals import worker_process_shutdown
+
+from batchspec.jobs.celery_app import QUEUE, app
+from batchspec.jobs.lease import Lease, check_interval, holder_is_dead, lease_renew, lease_ttl
+from batchspec.jobs.lease import new_token as new_lease_token
+from batchspec.jobs.outputs import output_fs, shard_counts, shard_path
+from batchspec.jobs.runner import (
+    ShardDriver,
+    ShardWork,
+    fail_shard,
+    is_done,
+    run_shard,
+    start_job,
+)
+from batchspec.jobs.shards import Shard
 from batchspec.jobs.spec import JobSpec, new_job_id
-from batchspec.jobs.states import SHARD_ENDED
+from batchspec.jobs.states import FINAL, SHARD_ENDED
 from batchspec.jobs.store import JobStore, now_iso
 from batchspec.jobs.summary import finalize
 
 log = logging.getLogger(__name__)
 _engine: dict = {"key": None, "llm": None}
-_stores: dict[str, JobStore] = {}
+_stores: dict[tuple[str, float], JobStore] = {}
+
+# How long a worker keeps retrying a Redis command before giving up on it (a Redis restart
+# takes seconds; past this, lease expiry and reconcile() recover whatever was left undone).
+WORKER_REDIS_RETRY_S = 40.0
+# Longest wait before a failed shard's next attempt (2 ** attempt seconds, capped).
+RETRY_BACKOFF_MAX_S = 60
 
 
-def get_store() -> JobStore:
-    url = app.conf.broker_url
-    if url not in _stores:
-        _stores[url] = JobStore(url)
-    return _stores[url]
+def get_store(retry_s: float = 0) -> JobStore:
+    """The job store at the app's broker URL. Commands that cannot reach Redis are retried
+    for about retry_s seconds (workers wait out a Redis restart; the CLI fails fast)."""
+    key = (app.conf.broker_url, retry_s)
+    if key not in _stores:
+        _stores[key] = JobStore(key[0], retry_s)
+    return _stores[key]
+
+
+def worker_store() -> JobStore:
+    return get_store(WORKER_REDIS_RETRY_S)
 
 
 def get_llm(spec: JobSpec):
@@ -49,20 +85,33 @@ def get_llm(spec: JobSpec):
 
 class Every:
     """Call fn at most every `interval` seconds; between calls, return the last result.
-    Engine steps are milliseconds apart; Redis does not need to hear about each one."""
+    Engine steps are milliseconds apart; Redis does not need to hear about each one. A call
+    that fails (Redis unreachable) is logged and returns `default`: a Redis outage pauses
+    progress reports and cancel checks, never the shard."""
 
-    def __init__(self, interval: float, fn):
-        self.interval, self.fn, self.last, self.value = interval, fn, -1e18, None
+    def __init__(self, interval: float, fn, default=None):
+        self.interval, self.fn, self.last, self.value = interval, fn, -1e18, default
+        self.default = default
 
     def __call__(self, *args):
         now = time.monotonic()
         if now - self.last >= self.interval:
-            self.last, self.value = now, self.fn(*args)
+            self.last = now
+            try:
+                self.value = self.fn(*args)
+            except Exception as e:
+                log.warning("job store unreachable: %s", e)
+                self.value = self.default
         return self.value
 
 
-def finalize_job(job_id: str) -> dict:
-    store = get_store()
+# --- ending shards and jobs -------------------------------------------------------------
+
+def finalize_job(job_id: str, store: JobStore | None = None) -> dict:
+    """Write `_job.json` (and `_SUCCESS`) from the output directory and record the job's
+    final state and counts (counted from the files, whatever Redis' counters say). A job
+    whose `_job.json` cannot be written ends `failed` with the reason."""
+    store = store or worker_store()
     job = store.get(job_id)
     states, info = store.shard_states(job_id), store.shard_info(job_id)
     failed = {s: info.get(s, {}).get("error", "") for s, st in states.items() if st == "failed"}
@@ -74,67 +123,280 @@ def finalize_job(job_id: str) -> dict:
         timings["wall_s"] = (dt.datetime.fromisoformat(finished)
                              - dt.datetime.fromisoformat(job["started_at"])).total_seconds()
     skipped = sorted(s for s, i in info.items() if i.get("skipped"))
-    doc = finalize(store.spec(job_id), store.plan(job_id), job_id=job_id, timings=timings,
-                   failed_shards=failed, cancelled=cancelled,
-                   extra={"shards_skipped": skipped})
-    store.set_fields(job_id, state=doc["state"], finished_at=finished,
-                     summary=doc["summary"], failed_shards=failed)
+    try:
+        doc = finalize(store.spec(job_id), store.plan(job_id), job_id=job_id,
+                       timings=timings, failed_shards=failed, cancelled=cancelled,
+                       extra={"shards_skipped": skipped})
+    except Exception as e:
+        log.exception("job %s: could not write its summary", job_id)
+        error = f"could not write _job.json: {type(e).__name__}: {e}"
+        store.set_final(job_id, state="failed", finished_at=finished, failed_shards=failed,
+                        error=error)
+        return {"job_id": job_id, "state": "failed", "error": error}
+    store.set_final(job_id, state=doc["state"], finished_at=finished, summary=doc["summary"],
+                    failed_shards=failed, tokens_generated=doc["summary"]["tokens_generated"],
+                    **doc["counts"])
     store.expire(job_id, int(float(os.environ.get("BATCHSPEC_JOB_TTL_DAYS", 30)) * 86400))
+    log.info("job %s %s", job_id, doc["state"])
     return doc
 
 
 def _end(job_id: str, shard_id: str, outcome: str, ok: int = 0, bad: int = 0,
          tokens: int = 0, **info) -> str:
-    store = get_store()
+    store = worker_store()
     store.update_info(job_id, shard_id, finished_at=now_iso(), outcome=outcome, **info)
     if store.finish_shard(job_id, shard_id, outcome, ok, bad, tokens) == 1:
-        finalize_job(job_id)
+        finalize_job(job_id, store)
     return outcome
 
 
-@app.task(bind=True, name="batchspec.run_shard", max_retries=None)
-def run_shard_task(self, job_id: str, shard_id: str) -> str:
-    store = get_store()
+def end_failed(job_id: str, output: str, shard: Shard, reason: str) -> str:
+    """End a shard as failed whatever else is broken: its rows go to its errors file with
+    the reason (`shard_failed`) if that can be written, and the job store records the end
+    either way. Should the store be unreachable too, the shard's lease expires
+    and a later delivery ends it."""
+    try:
+        fail_shard(output, shard, reason)
+    except Exception as e:  # a full disk, say: the store still records the end
+        log.exception("errors file of shard %s of job %s not written", shard.id, job_id)
+        reason = f"{reason}; errors file not written ({type(e).__name__}: {e})"
+    return _end(job_id, shard.id, "failed", bad=shard.num_rows, error=reason)
+
+
+def give_back(job_id: str, shard: Shard, output: str, token: str, attempt: int,
+              max_attempts: int, exc: Exception) -> str:
+    """A shard whose attempt raised: put it back to queued and send it again after a
+    backoff, or, at its last attempt, end it failed. If Redis cannot be reached, the shard
+    is recovered anyway: a running shard's lease expires, and a queued shard whose message
+    is missing is sent again by reconcile()."""
+    if attempt >= max_attempts:
+        return end_failed(job_id, output, shard, f"{type(exc).__name__}: {exc}")
+    try:
+        if worker_store().requeue(job_id, shard.id, token):
+            run_shard_task.apply_async((job_id, shard.id),
+                                       countdown=min(RETRY_BACKOFF_MAX_S, 2 ** attempt))
+    except Exception as e:
+        log.warning("shard %s of job %s not re-sent (%s); it will be by the periodic check",
+                    shard.id, job_id, e)
+    return "retry"
+
+
+# --- the shard task ---------------------------------------------------------------------
+
+def streaming() -> bool:
+    """BATCHSPEC_STREAM=1 (`batchspec worker --stream`): keep one engine full across shard
+    tasks (see Stream)."""
+    return os.environ.get("BATCHSPEC_STREAM", "") not in ("", "0", "false", "no")
+
+
+@app.task(name="batchspec.run_shard", ignore_result=True)
+def run_shard_task(job_id: str, shard_id: str) -> str:
+    store = worker_store()
     if not store.exists(job_id):  # expired or deleted record: nothing to run it against
         log.warning("shard %s of unknown job %s dropped", shard_id, job_id)
         return "unknown_job"
     if store.shard_state(job_id, shard_id) in SHARD_ENDED:
-        # A redelivery of an ended shard; finish a finalization a crash interrupted.
-        if store.get(job_id)["state"] == "finalizing":
-            finalize_job(job_id)
+        reconcile(job_id, store)  # a redelivery: finish a finalization a crash interrupted
         return "duplicate"
     spec_dict, shard = store.spec(job_id), store.shard(job_id, shard_id)
     max_attempts = spec_dict["max_attempts"]
+    started = now_iso()  # cleared to start: a cancel from now on stops it between steps
     if store.cancel_requested(job_id):
         return _end(job_id, shard_id, "cancelled")
-    attempt = store.start_attempt(job_id, shard_id)
-    store.update_info(job_id, shard_id, host=socket.gethostname(), pid=os.getpid(),
-                      attempt=attempt, started_at=now_iso())
-    if attempt > max_attempts:
-        reason = (f"gave up after {max_attempts} attempts: the worker running this "
-                  f"shard died or failed each time")
-        fail_shard(spec_dict["output"], shard, reason)
-        return _end(job_id, shard_id, "failed", bad=shard.num_rows, error=reason)
+    if STREAM.has(job_id, shard_id):  # in flight in this very process
+        return "duplicate"
+    token, ttl = new_lease_token(), lease_ttl()
+    holder = store.lease_holder(job_id, shard_id)
+    attempt = store.start_attempt(job_id, shard_id, token, ttl,
+                                  take_over=holder if holder_is_dead(holder) else "")
+    if attempt < 0:  # ended meanwhile, or running under another worker's live lease
+        log.info("shard %s of job %s is %s: duplicate delivery dropped", shard_id, job_id,
+                 "ended" if attempt == -2 else f"held by {holder}")
+        return "duplicate"
+    quick = get_store()  # no retries: a Redis outage must not stall engine steps
+    lease = Lease(quick, job_id, shard_id, token, ttl, lease_renew()).start()
+    handed_over = False
     try:
+        store.update_info(job_id, shard_id, host=socket.gethostname(), pid=os.getpid(),
+                          attempt=attempt, started_at=started)
         # Inside the try: a spec this host cannot serve (model missing here) is retried,
         # possibly elsewhere, then failed like any other error.
         spec = JobSpec.from_dict(spec_dict)
-        llm = None if is_done(spec, shard) else get_llm(spec)
+        done = is_done(spec, shard)
+        if attempt > max_attempts and not done:
+            return end_failed(job_id, spec.output, shard, (
+                f"gave up after {max_attempts} attempts: the worker running this shard "
+                f"died or failed each time"))
+        if streaming() and not done:
+            handed_over = True  # the stream ends the shard and stops its lease
+            return STREAM.add(Flight(job_id, shard, spec, token, attempt, lease))
         result = run_shard(
-            spec, shard, llm, job_id=job_id,
-            should_abort=Every(0.5, lambda: store.cancel_requested(job_id)),
-            on_progress=Every(0.5, lambda n, t: store.progress(job_id, shard_id, n, t)))
+            spec, shard, None if done else get_llm(spec), job_id=job_id,
+            should_abort=Every(0.5, lambda: lease.lost or quick.cancel_requested(job_id),
+                               False),
+            on_progress=Every(0.5, lambda n, t: quick.progress(job_id, shard_id, n, t)))
     except Exception as e:
+        handed_over = False
         log.exception("shard %s of job %s failed (attempt %d)", shard_id, job_id, attempt)
-        if attempt < max_attempts:
-            raise self.retry(exc=e, countdown=min(60, 2 ** attempt)) from e
-        reason = f"{type(e).__name__}: {e}"
-        fail_shard(spec_dict["output"], shard, reason)
-        return _end(job_id, shard_id, "failed", bad=shard.num_rows, error=reason)
+        return give_back(job_id, shard, spec_dict["output"], token, attempt, max_attempts, e)
+    finally:
+        if not handed_over:
+            lease.stop()
     if result.status == "aborted":
+        if lease.lost:  # re-queued by a check that saw our lease expire: not ours now
+            return "lease_lost"
         return _end(job_id, shard_id, "cancelled")
     return _end(job_id, shard_id, "completed", result.num_completed, result.num_errors,
                 result.num_tokens, skipped=result.status == "skipped", wall_s=result.wall_s)
+
+
+# --- the streaming worker ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class Flight:
+    """A shard handed to the stream: what it takes to end it."""
+    job_id: str
+    shard: Shard
+    spec: JobSpec
+    token: str
+    attempt: int
+    lease: Lease
+    work: ShardWork | None = None
+
+
+class Stream:
+    """The streaming worker (BATCHSPEC_STREAM=1): one engine per worker process kept full
+    across shard tasks, as `batchspec run` keeps it across shards. A shard task queues its
+    shard's rows in the process's ShardDriver and returns as soon as every row queued so far
+    has been admitted to the batch, so Celery hands the process the next shard while this
+    one's tail is still generating. A thread steps the engine and, when a shard's last row
+    finishes, writes its files and records its end.
+
+    The lease, not the task message, says who runs a shard: a task's message is
+    acknowledged when it hands its shard over, and the shard stays `running` under a lease
+    renewed until its end is recorded. A worker killed with shards in flight loses their
+    leases, and they are re-queued (counted as attempts) like any other. Shards of one job
+    stream together; a shard of another job waits until the engine has drained. A cancelled
+    job's shards in flight stop between steps and write nothing; its queued shards do not
+    start (the task's usual check)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.driver: ShardDriver | None = None
+        self.job_id: str | None = None
+        self.flights: dict[str, Flight] = {}
+        self.thread: threading.Thread | None = None
+        self.cancelled = None
+        self.progress = None
+
+    def has(self, job_id: str, shard_id: str) -> bool:
+        with self.cond:
+            return self.job_id == job_id and shard_id in self.flights
+
+    def add(self, flight: Flight) -> str:
+        """Queue the shard's rows; return once they are all admitted (or the shard ended)."""
+        done: list[tuple[Flight, str, Exception | None]] = []
+        with self.cond:
+            self.cond.wait_for(lambda: not self.flights or self.job_id == flight.job_id)
+            if not self.flights:
+                quick, job_id = get_store(), flight.job_id
+                self.driver = ShardDriver(flight.spec, get_llm(flight.spec), job_id)
+                self.job_id = job_id
+                self.cancelled = Every(0.5, lambda: quick.cancel_requested(job_id), False)
+                self.progress = Every(0.5, self._report, None)
+            flight.work = self.driver.add(flight.shard)
+            if flight.work.result is not None:  # no valid rows: written already
+                done.append((flight, "completed", None))
+            else:
+                self.flights[flight.shard.id] = flight
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._loop, daemon=True,
+                                                   name="batchspec-stream")
+                    self.thread.start()
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: flight.shard.id not in self.flights
+                                   or self.driver.wants_more())
+        for f, outcome, exc in done:
+            self._record(f, outcome, exc)
+        return "streaming"
+
+    def _report(self) -> None:
+        quick = get_store()
+        for f in list(self.flights.values()):
+            quick.progress(f.job_id, f.shard.id, len(f.work.seqs) - f.work.left, 0)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.flights)
+                ended: list[tuple[Flight, str, Exception | None]] = []
+                if self.cancelled():
+                    self.driver.abort()
+                    ended = [(f, "cancelled", None) for f in self.flights.values()]
+                    self.flights.clear()
+                else:
+                    try:
+                        written, _ = self.driver.step()
+                        ended = [(self.flights.pop(w.shard.id), "completed", None)
+                                 for w in written]
+                        self.progress()
+                    except Exception as e:  # the step failed: every shard in flight
+                        log.exception("engine step failed")
+                        try:
+                            self.driver.abort()
+                        except Exception:  # a closed engine: get_llm() reloads it
+                            log.exception("engine abort failed")
+                        ended = [(f, "failed", e) for f in self.flights.values()]
+                        self.flights.clear()
+                if not self.flights:
+                    self.driver = self.job_id = None
+                self.cond.notify_all()
+            for f, outcome, exc in ended:
+                self._record(f, outcome, exc)
+
+    def _record(self, f: Flight, outcome: str, exc: Exception | None) -> None:
+        """Record a shard's end (outside the lock: Redis and finalizing take time). If the
+        store cannot be reached, its lease expires and reconcile() records it."""
+        try:
+            if outcome == "failed":
+                give_back(f.job_id, f.shard, f.spec.output, f.token, f.attempt,
+                          f.spec.max_attempts, exc)
+            elif outcome == "cancelled":
+                _end(f.job_id, f.shard.id, "cancelled")
+            else:
+                r = f.work.result
+                _end(f.job_id, f.shard.id, "completed", r.num_completed, r.num_errors,
+                     r.num_tokens, wall_s=r.wall_s)
+        except Exception:
+            log.exception("end of shard %s of job %s not recorded", f.shard.id, f.job_id)
+        finally:
+            f.lease.stop()
+
+    def release(self) -> None:
+        """Worker shutdown: give every shard in flight back (queued, sent again) so another
+        worker takes it now rather than when its lease expires."""
+        with self.cond:
+            flights = list(self.flights.values())
+            if self.driver is not None:
+                self.driver.abort()
+            self.flights.clear()
+            self.driver = self.job_id = None
+        for f in flights:
+            try:
+                if worker_store().requeue(f.job_id, f.shard.id, f.token):
+                    run_shard_task.apply_async((f.job_id, f.shard.id))
+            except Exception as e:
+                log.warning("shard %s of job %s not given back (%s): its lease will expire",
+                            f.shard.id, f.job_id, e)
+            f.lease.stop()
+
+
+STREAM = Stream()
+
+
+@worker_process_shutdown.connect
+def _release_stream(**_):
+    STREAM.release()
 
 
 def submit_job(spec: JobSpec, shards: list | None = None) -> str:
@@ -148,13 +410,144 @@ def submit_job(spec: JobSpec, shards: list | None = None) -> str:
         run_shard_task.apply_async((spec.job_id, shard.id))
     if not shards:
         store.set_fields(spec.job_id, state="finalizing")
-        finalize_job(spec.job_id)
+        finalize_job(spec.job_id, store)
     return spec.job_id
 
 
-@app.task(name="batchspec.submit_scheduled")
+@app.task(name="batchspec.submit_scheduled", ignore_result=True)
 def submit_scheduled(config_path: str) -> str:
     """A beat firing: the job YAML with today's dates filled into its paths."""
     job_id = submit_job(JobSpec.build(config=config_path))
     log.info("scheduled job %s from %s submitted", job_id, config_path)
     return job_id
+
+
+# --- reconciling a job with its output directory ----------------------------------------
+
+# (job, shard) -> when a queued shard was first seen without a task message
+_missing_since: dict[tuple[str, str], float] = {}
+
+
+def _record_done(store: JobStore, job_id: str, output: str, shard_id: str) -> bool:
+    """If the shard's outputs file exists, record the shard completed (counted from its
+    files) and return True."""
+    shard = store.shard(job_id, shard_id)
+    fs, root = output_fs(output)
+    path = shard_path(root, "outputs", shard)
+    if not fs.exists(path):
+        return False
+    ok, bad = shard_counts(fs, root, shard)
+    with fs.open(path, "rb") as f:
+        tokens = sum(pq.read_table(f, columns=["num_output_tokens"])
+                     .column(0).to_pylist())
+    store.update_info(job_id, shard_id, finished_at=now_iso(), outcome="completed",
+                      recovered=True)
+    if store.finish_shard(job_id, shard_id, "completed", ok, bad, tokens) == 1:
+        finalize_job(job_id, store)
+    return True
+
+
+def _message_shards(store: JobStore) -> set[tuple[str, str]] | None:
+    """(job, shard) of every run_shard task message in the queue or recently delivered to a
+    worker (within twice the longest retry backoff); None while the queue is not empty (its
+    messages are being consumed, and looking through them all would be costly)."""
+    if store.r.llen(QUEUE):
+        return None
+    found = set()
+    for raw in store.broker_messages(QUEUE, max_age_s=2 * RETRY_BACKOFF_MAX_S):
+        try:
+            msg = json.loads(raw)
+            msg = msg[0] if isinstance(msg, list) else msg
+            headers = msg.get("headers", {})
+            if headers.get("task") == "batchspec.run_shard":
+                found.add(tuple(ast.literal_eval(headers["argsrepr"]))[:2])
+        except (ValueError, KeyError, TypeError, SyntaxError):
+            continue
+    return found
+
+
+def _resend_lost(store: JobStore, job_id: str, queued: list[str]) -> list[str]:
+    """Send again the tasks of queued shards that no message carries (lost in a Redis
+    restart, or by a sender that died between recording and sending). A shard must be seen
+    missing twice, a check interval apart: a message being delivered is briefly in neither
+    place. A duplicate message is harmless (a shard runs under one lease)."""
+    present = _message_shards(store)
+    if present is None:
+        return []
+    now, resent = time.monotonic(), []
+    for s in queued:
+        key = (job_id, s)
+        if key in present:
+            _missing_since.pop(key, None)
+        elif now - _missing_since.setdefault(key, now) >= check_interval():
+            _missing_since.pop(key)
+            run_shard_task.apply_async((job_id, s))
+            resent.append(s)
+    return resent
+
+
+def reconcile(job_id: str, store: JobStore | None = None) -> str | None:
+    """Bring the job forward (see the module docstring); returns its state. Safe to call
+    from any number of processes at once: each step is a Lua script that one caller wins."""
+    store = store or worker_store()
+    state = store.job_field(job_id, "state")
+    if state is None or state in FINAL:
+        store.drop_active(job_id)
+        return state
+    states = store.shard_states(job_id)
+    running = [s for s, st in states.items() if st == "running"]
+    output = store.job_field(job_id, "output")
+    for s, alive in store.leases_alive(job_id, running).items():
+        if alive or _record_done(store, job_id, output, s):
+            continue
+        if store.requeue(job_id, s):
+            log.warning("shard %s of job %s lost its worker (lease expired): re-queued", s,
+                        job_id)
+            store.update_info(job_id, s, requeued_at=now_iso())
+            run_shard_task.apply_async((job_id, s))
+    queued = [s for s, st in states.items() if st == "queued"]
+    for s in _resend_lost(store, job_id, queued):
+        log.warning("shard %s of job %s had no task message: sent again", s, job_id)
+    if store.claim_finalize(job_id):
+        return finalize_job(job_id, store)["state"]
+    return store.job_field(job_id, "state")
+
+
+def try_reconcile(job_id: str, store: JobStore | None = None) -> None:
+    """reconcile() for a command watching the job (`status`, `submit --wait`): a failure is
+    logged, and the command goes on showing what the store holds."""
+    try:
+        reconcile(job_id, store)
+    except Exception as e:
+        log.warning("could not check job %s: %s", job_id, e)
+
+
+def reconcile_active(store: JobStore | None = None) -> None:
+    """reconcile() every job not yet final; errors are logged, never raised."""
+    try:
+        store = store or worker_store()
+        jobs = store.active_jobs()
+    except Exception as e:
+        log.warning("periodic check: job store unreachable: %s", e)
+        return
+    for job_id in jobs:
+        try:
+            reconcile(job_id, store)
+        except Exception:
+            log.exception("periodic check of job %s failed", job_id)
+
+
+def start_checker(url: str | None = None) -> threading.Thread:
+    """A daemon thread running reconcile_active() every check_interval() seconds with its
+    own connection (started in every worker's main process and in beat)."""
+    store = JobStore(url or app.conf.broker_url, WORKER_REDIS_RETRY_S)
+    interval = check_interval()
+
+    def loop():
+        while True:
+            time.sleep(interval)
+            reconcile_active(store)
+
+    thread = threading.Thread(target=loop, daemon=True, name="batchspec-check")
+    thread.start()
+    return thread

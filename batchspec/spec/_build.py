@@ -11,6 +11,7 @@ sources never rebuild each other's builds. A first build says so on stderr (it t
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -80,12 +81,18 @@ def _compile(cuda: bool) -> None:
     sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else
                                                [str(src / "paged_attention_cpu.cpp")])
     cflags = ["-O3", f"-DBS_NS={NAMESPACE[cuda]}"] + (["-DBS_WITH_CUDA"] if cuda else [])
-    cpp_extension.load(
-        name=f"batchspec_verify_{flavour}", sources=sources, build_directory=str(build),
-        extra_cflags=cflags, extra_include_paths=[str(src)],
-        # no fused multiply-add: the GPU rounds like the host and the torch reference
-        extra_cuda_cflags=["-O3", "--fmad=false", "-lineinfo"] if cuda else None,
-        is_python_module=False, verbose=bool(os.environ.get("BATCHSPEC_BUILD_VERBOSE")))
+    # torch's own build lock is a file that a builder killed mid-build (kill -9, OOM) leaves
+    # behind, and every later build would wait on it forever. Builders take an flock first
+    # (the kernel drops it when its holder dies), so a torch lock found under it is stale.
+    with open(build / ".build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        cpp_extension.load(
+            name=f"batchspec_verify_{flavour}", sources=sources, build_directory=str(build),
+            extra_cflags=cflags, extra_include_paths=[str(src)],
+            # no fused multiply-add: the GPU rounds like the host and the torch reference
+            extra_cuda_cflags=["-O3", "--fmad=false", "-lineinfo"] if cuda else None,
+            is_python_module=False, verbose=bool(os.environ.get("BATCHSPEC_BUILD_VERBOSE")))
 
 
 def load_error(cuda: bool = False) -> str | None:

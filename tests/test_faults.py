@@ -1,0 +1,169 @@
+"""Jobs finish through real faults (docs/operations.md, "Faults"): a kill -9 of a whole
+worker process group mid-shard, and a Redis SIGKILL + restart with AOF mid-job. Real
+redis-server, real `batchspec worker` processes; the lease settings are shortened only
+through their documented environment variables."""
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from batchspec.jobs.states import FINAL
+from batchspec.jobs.store import JobStore
+from tests.fixtures_redis import RedisServer, wait_until
+from tests.jobdata import read_dir
+from tests.test_jobs_celery import batchspec, write_rows
+
+# Leases of a few seconds instead of 30: the same code paths, a shorter wait.
+FAST_LEASES = {"BATCHSPEC_LEASE_TTL": "3", "BATCHSPEC_LEASE_RENEW": "0.5",
+               "BATCHSPEC_CHECK_INTERVAL": "1"}
+
+
+def job_state(store: JobStore, job_id: str) -> str | None:
+    try:
+        return (store.get(job_id) or {}).get("state")
+    except redis.ConnectionError:  # Redis restarting
+        return None
+
+
+def assert_each_row_once(out, ids: list[str]):
+    got = read_dir(out, "outputs").column("id").to_pylist()
+    dup = [i for i, n in collections.Counter(got).items() if n > 1]
+    assert not dup, f"rows written twice: {dup}"
+    assert sorted(got) == sorted(ids), f"rows lost: {sorted(set(ids) - set(got))}"
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_worker_group_mid_shard(start_worker, redis_server, slow_model, tmp_path):
+    url = redis_server.rsplit("/", 1)[0] + "/2"  # own database: only these two workers
+    store = JobStore(url)
+    victim = start_worker("victim", url=url, **FAST_LEASES)
+    rescuer = start_worker("rescuer", url=url, **FAST_LEASES)
+    path = write_rows(tmp_path / "k.parquet", [f"row {i}" for i in range(8)],
+                      [150, 150, 150, 150, 8, 8, 8, 8])
+    out = tmp_path / "out"
+    job_id = batchspec(url, "submit", path, "-o", out, "--model", slow_model,
+                       "--shard-size", 2).stdout.strip().splitlines()[-1]
+
+    def victim_generating():
+        info = store.shard_info(job_id)
+        return next((s for s in store.running_progress(job_id)
+                     if info.get(s, {}).get("pid") in victim.pids()), None)
+    shard = wait_until(victim_generating, 180, "the victim to be generating a shard", 0.02)
+    victim.kill()
+    assert not (out / "outputs" / f"part-{shard}.parquet").exists()
+    # The rescuer's periodic check sees the victim's lease expire and re-queues the shard.
+    wait_until(lambda: job_state(store, job_id) in FINAL, 300, "the job to end", 0.2)
+    job = store.get(job_id)
+    assert job["state"] == "completed", rescuer.tail()
+    assert_each_row_once(out, [f"k{i}" for i in range(8)])
+    assert store.attempts(job_id, shard) == 2
+    assert store.shard_info(job_id)[shard]["requeued_at"]
+    assert (out / "_SUCCESS").exists()
+    assert (job["requests_completed"], job["shards_completed"]) == (8, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outage_s", [2])
+def test_redis_sigkill_and_restart_mid_job(start_worker, tmp_path, slow_model, outage_s):
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    waiting = None
+    try:
+        worker = start_worker("through-restart", url=server.url, **FAST_LEASES)
+        store = JobStore(server.url, retry_s=30)
+        n = 12
+        path = write_rows(tmp_path / "r.parquet", [f"row {i}" for i in range(n)], [40] * n)
+        out = tmp_path / "out"
+        # `submit --wait` follows the job through the restart.
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "batchspec.cli", "submit", path, "-o", str(out), "--model",
+             slow_model, "--shard-size", "2", "--wait", "-q", "--broker", server.url],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        job_id = wait_until(lambda: [j["job_id"] for j in store.recent(1)], 60, "the job")[0]
+        wait_until(lambda: "completed" in store.shard_states(job_id).values()
+                   and store.running_progress(job_id), 240, "a shard done, one generating",
+                   0.02)
+        server.kill()
+        time.sleep(outage_s)
+        server.start()
+        stdout, stderr = waiting.communicate(timeout=300)
+        assert waiting.returncode == 0, stderr + worker.tail()
+        assert stdout.strip().splitlines()[-1] == job_id and "completed" in stderr
+        assert store.get(job_id)["state"] == "completed", worker.tail()
+        assert (out / "_SUCCESS").exists()
+        assert_each_row_once(out, [f"r{i}" for i in range(n)])
+        doc = json.loads((out / "_job.json").read_text())
+        assert doc["state"] == "completed" and doc["counts"]["requests_completed"] == n
+    finally:
+        if waiting is not None and waiting.poll() is None:
+            waiting.kill()
+        server.stop()
+
+
+def test_a_shard_runs_under_one_lease(redis_server, tmp_path):
+    """Start, duplicate delivery, expiry and the race between two noticers, on real Redis."""
+    from batchspec.jobs.shards import Shard
+    store = JobStore(redis_server.rsplit("/", 1)[0] + "/4")
+    shard = Shard(0, str(tmp_path / "x.parquet"), "x", 0, 2)
+    store.create("lease-job", {"output": str(tmp_path / "out")}, [shard])
+    assert store.start_attempt("lease-job", "00000", "w1", ttl_s=30) == 1
+    assert store.start_attempt("lease-job", "00000", "w2", ttl_s=30) == -1  # duplicate
+    assert store.requeue("lease-job", "00000") is False  # lease alive
+    assert store.renew_lease("lease-job", "00000", "w1", 0.2)
+    assert not store.renew_lease("lease-job", "00000", "w2", 30)
+    wait_until(lambda: not store.lease_holder("lease-job", "00000"), 10, "the lease to expire")
+    assert [store.requeue("lease-job", "00000") for _ in range(2)] == [True, False]
+    assert store.shard_states("lease-job") == {"00000": "queued"}
+    assert not store.renew_lease("lease-job", "00000", "w1", 30)  # w1 lost it
+    assert store.start_attempt("lease-job", "00000", "w2", ttl_s=30) == 2
+    assert store.finish_shard("lease-job", "00000", "completed", 2) == 1
+    assert store.lease_holder("lease-job", "00000") is None
+    assert store.start_attempt("lease-job", "00000", "w3", ttl_s=30) == -2  # ended
+
+
+def test_a_slow_step_keeps_its_lease(redis_server, tmp_path):
+    """The lease is renewed from a thread: a step far longer than the TTL (here the main
+    thread sleeping) never lets the shard look dead to reconcile()."""
+    from batchspec.jobs.celery_app import use_broker
+    from batchspec.jobs.lease import Lease
+    from batchspec.jobs.shards import Shard
+    from batchspec.jobs.tasks import reconcile
+    url = redis_server.rsplit("/", 1)[0] + "/4"
+    use_broker(url)  # reconcile() re-sends the shard's task there
+    store = JobStore(url)
+    shard = Shard(0, str(tmp_path / "x.parquet"), "x", 0, 2)
+    store.create("slow-step", {"output": str(tmp_path / "out")}, [shard])
+    assert store.start_attempt("slow-step", "00000", "w1", ttl_s=1) == 1
+    with Lease(store, "slow-step", "00000", "w1", ttl=1, renew=0.2) as lease:
+        for _ in range(4):
+            time.sleep(1.0)  # one "engine step" of a whole TTL
+            reconcile("slow-step", store)
+            assert store.shard_states("slow-step") == {"00000": "running"}
+        assert not lease.lost
+    wait_until(lambda: not store.lease_holder("slow-step", "00000"), 10, "expiry")
+    reconcile("slow-step", store)
+    assert store.shard_states("slow-step") == {"00000": "queued"}
+    assert store.r.llen("batchspec") == 1  # its task, sent once
+
+
+@pytest.mark.slow
+def test_lost_task_messages_are_sent_again(start_worker, redis_server, tiny_llama, tmp_path):
+    """Queued shards whose task messages are gone (as after a Redis restart that lost the
+    last second) are sent again by a worker's periodic check."""
+    url = redis_server.rsplit("/", 1)[0] + "/3"
+    store = JobStore(url)
+    path = write_rows(tmp_path / "m.parquet", [f"row {i}" for i in range(4)], [3] * 4)
+    out = tmp_path / "out"
+    job_id = batchspec(url, "submit", path, "-o", out, "--model", tiny_llama,
+                       "--shard-size", 2).stdout.strip().splitlines()[-1]
+    assert store.r.delete("batchspec") == 1  # the queue, with both messages
+    start_worker("finder", url=url, **FAST_LEASES)
+    wait_until(lambda: job_state(store, job_id) in FINAL, 120, "the job to end", 0.2)
+    assert store.get(job_id)["state"] == "completed"
+    assert_each_row_once(out, [f"m{i}" for i in range(4)])
