@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import sys
 import tempfile
 import time
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec import LLM, demo_models  # noqa: E402
 from batchspec.jobs.runner import run_local, run_shard, start_job  # noqa: E402
 from batchspec.jobs.spec import JobSpec  # noqa: E402
-from batchspec.tools.evaluate import load_prompts  # noqa: E402
+from benchmarks.jobinput import write_mixed_job  # noqa: E402
 
 
 def main():
@@ -34,13 +30,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_shards_")
-    prompts = load_prompts(None, None, args.rows, split="heldout", seed=1)
-    rng = random.Random(0)
     data = os.path.join(tmp, "in.parquet")
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(prompts))],
-                             "prompt": [p["prompt"] for p in prompts],
-                             "domain": [p["domain"] for p in prompts],
-                             "max_tokens": [rng.randint(8, 96) for _ in prompts]}), data)
+    write_mixed_job(data, args.rows)
     m = demo_models()
     llm = LLM(m["target"], drafts={"default": m["draft"], "code": m["draft-code"],
                                    "docs": m["draft-docs"]}, max_num_seqs=args.max_num_seqs)
@@ -58,7 +49,7 @@ def main():
                     run_shard(spec, shard, llm, job_id="bench")
             best[mode] = min(best.get(mode, float("inf")), time.perf_counter() - t0)
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{len(prompts)} rows, shards of {args.shard_size}, max_num_seqs {args.max_num_seqs}")
+    print(f"{args.rows} rows, shards of {args.shard_size}, max_num_seqs {args.max_num_seqs}")
     for mode, s in best.items():
         print(f"{mode:<12} {s:7.2f} s")
     print(f"one by one / overlapped: {best['one by one'] / best['overlapped']:.2f}x")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from batchspec.jobs.runner import run_local  # noqa: E402
 from batchspec.jobs.spec import JobSpec  # noqa: E402
 from batchspec.jobs.states import FINAL  # noqa: E402
 from batchspec.jobs.tasks import get_store, submit_job  # noqa: E402
-from batchspec.tools.evaluate import load_prompts  # noqa: E402
+from benchmarks.jobinput import write_mixed_job  # noqa: E402
 from tests.fixtures_redis import RedisServer, Worker, wait_until  # noqa: E402
 
 
@@ -58,13 +57,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_worker_")
-    prompts = load_prompts(None, None, args.rows, split="heldout", seed=1)
-    rng = random.Random(0)
     data = os.path.join(tmp, "in.parquet")
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(prompts))],
-                             "prompt": [p["prompt"] for p in prompts],
-                             "domain": [p["domain"] for p in prompts],
-                             "max_tokens": [rng.randint(8, 96) for _ in prompts]}), data)
+    write_mixed_job(data, args.rows)
     warm = os.path.join(tmp, "warm.parquet")
     pq.write_table(pa.table({"id": ["w"], "prompt": ["def f():"]}), warm)
     os.makedirs(os.path.join(tmp, "redis"))

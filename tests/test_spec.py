@@ -172,17 +172,19 @@ def test_speculative_sampling_is_exact(model_factory, tmp_path, temperature, top
     drafted = sum(o.stats["total_drafted"] for o in outs)
     accepted = sum(o.stats["total_accepted"] for o in outs)
     assert drafted > 0.9 * n and 0 < accepted < drafted  # both paths exercised
-    assert_follows(outs, exact_joint(llm, prompt, 3, temperature, top_p))
+    assert_follows([tuple(o.token_ids) for o in outs], exact_joint(llm, prompt, 3, temperature,
+                                                                   top_p))
 
 
-def assert_follows(outs, joint):
-    """Chi-square test of the outputs' token tuples against the exact joint distribution
-    (rare outcomes pooled into one cell); impossible outcomes must not occur."""
+def assert_follows(samples: list[tuple], joint: dict):
+    """Chi-square test of sampled token tuples against the exact joint distribution (rare
+    outcomes pooled into one cell); impossible outcomes must not occur."""
     keys = list(joint)
     counts = dict.fromkeys(keys, 0)
-    for o in outs:
-        counts[tuple(o.token_ids)] += 1
-    exp = np.array([joint[k] for k in keys]) * len(outs)
+    for sample in samples:
+        assert sample in counts, f"sampled {sample}, which has probability 0"
+        counts[sample] += 1
+    exp = np.array([joint[k] for k in keys]) * len(samples)
     obs = np.array([counts[k] for k in keys])
     assert obs[exp == 0].sum() == 0
     big = exp >= 5  # pool the rare outcomes into one cell

@@ -132,7 +132,7 @@ def test_suffix_sampling_is_exact(model_factory):
     drafted = sum(o.stats["total_drafted"] for o in outs)
     accepted = sum(o.stats["total_accepted"] for o in outs)
     assert drafted > 0.3 * n and 0 < accepted < drafted
-    assert_follows(outs, exact_joint(llm, prompt, 3, 1.0, 1.0))
+    assert_follows([tuple(o.token_ids) for o in outs], exact_joint(llm, prompt, 3, 1.0, 1.0))
 
 
 def test_templated_workload_is_held_out_and_shares_one_template():
