@@ -143,8 +143,8 @@ def prefilled(path, dtype, lengths, room=5):
     """A runner whose paged cache holds prompts of these lengths (room for `room` more
     tokens each): (runner, prompts, sequences)."""
     runner = ModelRunner(path, "cpu", dtype)
-    runner.allocate_kv_cache(num_blocks=64, block_size=4)
-    bm = BlockManager(64, 4)
+    runner.allocate_kv_cache(num_blocks=128, block_size=4)
+    bm = BlockManager(128, 4)
     prompts = [list(range(3, 3 + n)) for n in lengths]
     seqs = []
     for i, ids in enumerate(prompts):
@@ -169,18 +169,19 @@ def test_bf16_batch_matches_rows_alone(tiny_llama):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_paged_attention_kernel_equals_sdpa(arch_model, dtype, monkeypatch):
+@pytest.mark.parametrize("lengths", [(9, 23, 14, 30), (60, 130, 64, 127)])
+def test_cpu_paged_attention_kernel_equals_sdpa(arch_model, dtype, lengths, monkeypatch):
     """The C++ kernel over the paged cache (kernels/paged_attention_cpu.cpp) gives the logits
-    of gather + SDPA for ragged short rows (decodes and verification windows, GQA)."""
+    of gather + SDPA for ragged short rows (decodes and verification windows, GQA), also where
+    a row's keys span several of the kernel's 64-key chunks and its window straddles one's
+    edge."""
     from batchspec.layers import attention
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
-    runner, prompts, seqs = prefilled(arch_model, dtype, (9, 23, 14, 30))
+    runner, prompts, seqs = prefilled(arch_model, dtype, lengths)
     rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
     args = (rows, [len(p) for p in prompts], [s.block_table for s in seqs],
             [len(r) for r in rows])
-    monkeypatch.setattr(attention, "CPU_KERNEL_MIN_BYTES", 0)
-    monkeypatch.setattr(attention, "CPU_KERNEL_MAX_Q", 16)
     kernel = runner.forward(*args)
     assert attention._cpu_op, "the kernel was not used"
     monkeypatch.setattr(attention, "_cpu_op", False)

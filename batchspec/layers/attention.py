@@ -170,7 +170,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     out = torch.empty_like(q)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    if meta.dec_token_idx is not None and (op := _cpu_kernel(q, k_cache, meta, block_size)) is not None:
+    if meta.dec_token_idx is not None and (op := _cpu_kernel(q, meta)) is not None:
         op(q.contiguous(), k_cache, v_cache, meta.dec_blocks, meta.dec_rows, scale, block_size,
            out)
     elif meta.dec_token_idx is not None:
@@ -209,20 +209,16 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     return out
 
 
-CPU_KERNEL_MIN_BYTES = 4 << 20  # size of the gathered K copy from which the kernel pays
-CPU_KERNEL_MAX_Q = 1         # longer rows (verification windows) run faster as matmuls over
-                             # the gathered copy: the kernel's cost grows with each query
 _cpu_op = None
 
 
-def _cpu_kernel(q, k_cache, meta, block_size):
-    """The C++ paged attention (kernels/paged_attention_cpu.cpp) when it pays: on CPU, for
-    single-token rows whose gathered copy would be large. None: gather + SDPA.
-    BATCHSPEC_CPU_ATTENTION=sdpa turns it off."""
+def _cpu_kernel(q, meta):
+    """The C++ paged attention (kernels/paged_attention_cpu.cpp) for the short rows on CPU:
+    measured as fast as gather + SDPA at batch size 1 and up to 4x faster at larger batches
+    and contexts, for decodes and verification windows alike (docs/benchmarks.md). None:
+    gather + SDPA (no compiler; BATCHSPEC_CPU_ATTENTION=sdpa)."""
     global _cpu_op
-    if q.device.type != "cpu" or meta.dec_rows is None or meta.dec_shape[1] > CPU_KERNEL_MAX_Q \
-            or meta.dec_blocks.numel() * block_size * k_cache[0].numel() * \
-            k_cache.element_size() < CPU_KERNEL_MIN_BYTES:
+    if q.device.type != "cpu" or meta.dec_rows is None:
         return None
     if _cpu_op is None:
         _cpu_op = False

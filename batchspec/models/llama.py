@@ -181,10 +181,12 @@ class LlamaForCausalLM(nn.Module):
             k = k.view(T, self.num_kv_heads, cfg.head_dim)
             v = v.view(T, self.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q = rms_norm(q, layer["q_norm"], eps)
-                k = rms_norm(k, layer["k_norm"], eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+                q = apply_rope(rms_norm(q, layer["q_norm"], eps), cos, sin)
+                k = apply_rope(rms_norm(k, layer["k_norm"], eps), cos, sin)
+            else:  # q and k side by side in qkv: one rotation for both heads' sets
+                qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
+                    T, self.num_heads + self.num_kv_heads, cfg.head_dim), cos, sin)
+                q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, attn_backend,
                                 block_size, cfg.sliding_window)
             o = self.tp.all_reduce(linear(o.reshape(T, self.q_size), layer["o"]))
