@@ -197,6 +197,16 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def seed_suffix_drafts(self, outputs: dict[str | None, list[list[int]]]) -> int:
+        """Seed every suffix source's job-wide tries with earlier outputs ({domain: token id
+        lists, oldest first}); returns how many suffix sources there are (0: nothing to
+        seed)."""
+        sources = [p for p in self.proposers.values() if isinstance(p, SuffixProposer)]
+        for proposer in sources:
+            for domain, outs in outputs.items():
+                proposer.seed(domain, outs)
+        return len(sources)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -222,10 +232,12 @@ class Engine:
                                      [int(s.is_sampling) + s.num_drafts for s in scheduled])
         out_ids, num_accepted = verify(logits, self._verify_metadata(sampling, logits),
                                        self.config.verify_backend)
-        result = self.commit(scheduled, out_ids.tolist(), num_accepted.tolist())
+        num_accepted = num_accepted.tolist()
+        result = self.commit(scheduled, out_ids.tolist(), num_accepted)
         if chose and all(s.num_new_tokens == 1 for s in scheduled):
-            # decode-only steps: the prediction has no term for prefill chunks
-            self.policy.observe(time.perf_counter() - t0)
+            # decode-only steps (the prediction has no term for prefill chunks): the tokens
+            # the step made, before stop conditions cut any
+            self.policy.observe(time.perf_counter() - t0, len(sampling) + sum(num_accepted))
         return result
 
     def propose(self, sampling: list[ScheduledSeq]) -> bool:

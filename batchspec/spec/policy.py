@@ -8,6 +8,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batchspec.config import EngineConfig
 from batchspec.engine.sequence import Sequence
 
@@ -16,11 +18,16 @@ from batchspec.engine.sequence import Sequence
 # domain's and of the domain's in a request's own.
 PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = 0.6, 10, 10, 4
 MAX_P = 0.98
-# Every EXPLORE-th choice takes the other side (plain when the best plan speculates, the best
-# speculating plan when it is plain), so that both sides' timing corrections come from steps
-# of their own: a side never tried would borrow the other's and keep the start-up model's
-# bias between them (e.g. verification costs it leaves out).
-EXPLORE = 10
+# Now and then a choice takes the other side (plain when the best plan speculates, the best
+# speculating plan when it is plain), so that both sides' corrections come from steps of
+# their own: a side never tried would keep the start-up model's bias between them (e.g.
+# verification costs it leaves out). The first try comes EXPLORE steps after a side takes
+# the lead, and the gap doubles with each try that does not change the lead, up to
+# MAX_EXPLORE: a side that keeps losing costs ever fewer steps. A side whose corrected rate
+# is below TRY_MARGIN of the leader's is tried only every FAR_EXPLORE steps. A try runs
+# TRY_STEPS measured steps (one step's time is noisy on a shared machine); one of
+# speculation runs one more first, unmeasured (see choose_lengths).
+EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.8, 3
 
 
 @dataclass
@@ -31,6 +38,9 @@ class StepCosts:
     batch_sizes: list[int]
     target: dict[int, list[float]] = field(default_factory=dict)   # q -> seconds per B
     draft: dict[str, list[float]] = field(default_factory=dict)    # draft -> seconds per B
+    # derived tables, filled on first use (the timings do not change after smooth())
+    _per_q: dict = field(default_factory=dict, repr=False)
+    _marginal: dict = field(default_factory=dict, repr=False)
 
     def _at(self, values: list[float], b: int) -> float:
         xs = self.batch_sizes
@@ -74,6 +84,28 @@ class StepCosts:
         t_lo = self.target_s(b, lo)
         return t_lo + (q - lo) * (self.target_s(b, hi) - t_lo)
 
+    def target_tokens_s_many(self, b: int, num_tokens: np.ndarray) -> np.ndarray:
+        """target_tokens_s for an array of token counts at one batch size."""
+        t = self._per_q.get(b)
+        if t is None:   # the target's time at B = b for q = 0 (unused), 1 .. k+1
+            q_max = max(self.target)
+            t = self._per_q[b] = np.array([0.0] + [self.target_s(b, q)
+                                                   for q in range(1, q_max + 1)])
+        q_max = len(t) - 1
+        q = np.clip(num_tokens / b, 1.0, float(q_max))
+        lo = q.astype(np.int64)
+        return t[lo] + (q - lo) * (t[np.minimum(lo + 1, q_max)] - t[lo])
+
+    def draft_marginal_s(self, name: str, num_rows: int) -> np.ndarray:
+        """[c] = the cost of one more row in a forward of draft `name` over c rows, for
+        c < num_rows."""
+        key = (name, num_rows)
+        m = self._marginal.get(key)
+        if m is None:
+            m = self._marginal[key] = np.diff([self.draft_s(name, c)
+                                               for c in range(num_rows + 1)])
+        return m
+
     def draft_s(self, name: str, b: int) -> float:
         return self._at(self.draft[name], b) if b > 0 and name in self.draft else 0.0
 
@@ -85,11 +117,15 @@ class SpecPolicy:
         self.costs: StepCosts | None = None        # set by the engine when adaptive_k
         # source, or (source, domain) -> (accepted, judged) per depth
         self.pooled: dict[str | tuple, tuple[list[int], list[int]]] = {}
-        self.ratio = 1.0                            # EMA of measured / predicted, all steps
-        self.step_ratio: dict[int, float] = {}     # step key -> EMA of its ratio / self.ratio
-        self.observed: dict[int, int] = {}         # step key -> steps observed
-        self.num_choices = 0
-        self._chosen: tuple[int, float] | None = None  # (key, predicted s) of this step
+        # speculating? -> EMA of predicted / measured tokens per second; steps observed
+        self.slowdown: dict[bool, float] = {}
+        self.observed: dict[bool, int] = {}
+        self._winner: bool | None = None        # the side the corrections prefer
+        self._interval, self._since = EXPLORE, 0  # steps between tries of the other side
+        self._try_left = 0                  # steps of a try of the other side still to run
+        self._speculated = False            # whether the last step speculated
+        # this step's (speculates, predicted tokens/s, a try of the side that does not lead)
+        self._chosen: tuple[bool, float, bool] | None = None
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
@@ -183,90 +219,120 @@ class SpecPolicy:
                        num_plain_rows: int) -> list[int]:
         """Draft lengths for this step's speculating rows, from slots admitted across all rows
         in order of survival probability (the product of the row's per-depth acceptance
-        estimates up to the slot), keeping the number of slots at which the step's expected
-        tokens per second, from the measured costs and their online correction, is highest
-        (0 slots: the plain step). rows: (seq, source, most drafts, source is a model), the
-        most drafts of a lookup source being the drafts it has already found. Rows that do
-        not speculate count one token."""
+        estimates up to the slot). Of the plans that admit 1, 2, ... slots, the best by
+        expected tokens per second from the measured costs; it runs if its rate, corrected
+        by what speculating steps have measured against their predictions, beats the plain
+        step's, corrected by what plain steps have measured (0 slots: the plain step).
+        rows: (seq, source, most drafts, source is a model), the most drafts of a lookup
+        source being the drafts it has already found. Rows that do not speculate count one
+        token."""
         costs = self.costs
         self._chosen = None
         if costs is None:
             return [n for _, _, n, _ in rows]
-        slots = []
-        for i, (seq, source, n, _) in enumerate(rows):
-            survive = 1.0
-            for d, p in enumerate(self.depth_probs(seq, source, n)):
-                survive *= p
-                slots.append((-survive, d, i))
-        slots.sort()
         num_rows = len(rows) + num_plain_rows
-        levels: dict[str, list[int]] = {}   # model source -> rows drafting at each depth
-        tokens = float(num_rows)
-        draft_s = 0.0
-        best_n, best_pred = 0, costs.target_tokens_s(num_rows, num_rows)
-        plain_pred = predicted = best_pred
-        best_rate = tokens / max(predicted * self._ratio(0), 1e-12)
-        spec_n, spec_pred, spec_rate = 0, 0.0, 0.0   # the best plan that speculates
-        for n, (neg_survive, d, i) in enumerate(slots, 1):
-            _, source, _, is_model = rows[i]
-            tokens -= neg_survive
-            if is_model:
-                level = levels.setdefault(source, [])
-                if d == len(level):
-                    level.append(0)
-                draft_s += costs.draft_s(source, level[d] + 1) - costs.draft_s(source, level[d])
-                level[d] += 1
-            predicted = costs.target_tokens_s(num_rows, num_rows + n) + draft_s
-            rate = tokens / max(predicted * self._ratio(self._key(n, num_rows)), 1e-12)
-            if rate > best_rate:
-                best_n, best_rate, best_pred = n, rate, predicted
-            if rate > spec_rate:
-                spec_n, spec_rate, spec_pred = n, rate, predicted
-        self.num_choices += 1
-        if self.num_choices % EXPLORE == 0 and spec_n:
-            best_n, best_pred = (0, plain_pred) if best_n else (spec_n, spec_pred)
+        plain_rate = num_rows / max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
+        if self._winner is False and not self._try_left and (self._since + 1) % EXPLORE:
+            # plain leads: the plans are weighed again every EXPLORE steps (tries are due
+            # only then), not at every step, whose cost they would add to
+            self._since += 1
+            self._speculated = False
+            self._chosen = (False, plain_rate, False)
+            return [0] * len(rows)
+        survive, depth, row = [], [], []
+        for i, (seq, source, n, _) in enumerate(rows):
+            sp = 1.0
+            for d, p in enumerate(self.depth_probs(seq, source, n)):
+                sp *= p
+                survive.append(sp)
+                depth.append(d)
+                row.append(i)
+        spec_n, spec_rate = 0, 0.0        # the best plan that speculates
+        order: list[int] = []
+        if survive:
+            # slots by survival, most likely first (ties: shallower, then earlier rows)
+            order = np.lexsort((row, depth, -np.asarray(survive))).tolist()
+            tokens = num_rows + np.cumsum(np.asarray(survive)[order])
+            n = np.arange(1, len(order) + 1)
+            # each model draft's cost grows with the rows it runs at each depth: a slot at
+            # depth d adds one row to its source's forward at d
+            marginal = {src: costs.draft_marginal_s(src, len(rows))
+                        for src in {src for _, src, _, is_model in rows if is_model}}
+            level: dict[tuple[str, int], int] = {}
+            draft_cost = []
+            for j in order:
+                _, src, _, is_model = rows[row[j]]
+                if is_model:
+                    c = level.get((src, depth[j]), 0)
+                    level[(src, depth[j])] = c + 1
+                    draft_cost.append(marginal[src][c])
+                else:
+                    draft_cost.append(0.0)
+            seconds = costs.target_tokens_s_many(num_rows, num_rows + n) + np.cumsum(draft_cost)
+            rates = tokens / np.maximum(seconds, 1e-12)
+            best = int(np.argmax(rates))
+            spec_n, spec_rate = best + 1, float(rates[best])
+        spec_c, plain_c = spec_rate / self._slowdown(True), plain_rate / self._slowdown(False)
+        speculate = spec_n > 0 and spec_c > plain_c
+        if speculate != self._winner:    # the other side leads now: explore it soon again
+            self._winner, self._interval, self._since = speculate, EXPLORE, 0
+        self._since += 1
+        # a side far behind is tried only every FAR_EXPLORE steps (each try of speculation
+        # also costs the drafts' catch-up); one never measured is not known to be
+        close = min(spec_c, plain_c) >= TRY_MARGIN * max(spec_c, plain_c) or \
+            len(self.slowdown) < 2
+        if self._try_left and spec_n:    # a try goes on
+            speculate = not self._winner
+            self._try_left -= 1
+        elif spec_n and self._since >= (self._interval if close else FAR_EXPLORE):
+            speculate = not speculate
+            self._since = 0
+            self._interval = min(2 * self._interval, MAX_EXPLORE)
+            self._try_left = TRY_STEPS - 1 + int(speculate)
+        n = spec_n if speculate else 0
         lengths = [0] * len(rows)
-        for _, d, i in slots[:best_n]:
-            lengths[i] = max(lengths[i], d + 1)
-        self._chosen = (self._key(best_n, num_rows), best_pred)
+        for j in order[:n]:
+            lengths[row[j]] = max(lengths[row[j]], depth[j] + 1)
+        # A speculating step right after plain ones also brings the drafts' caches up to
+        # date (every token of the plain steps, or a new row's whole prompt): a cost of
+        # switching, not of speculating, so it is not measured.
+        warm_up = speculate and not self._speculated
+        self._speculated = speculate
+        self._chosen = None if warm_up else (
+            speculate, spec_rate if speculate else plain_rate, speculate != self._winner)
         return lengths
 
-    def _key(self, num_slots: int, num_rows: int) -> int:
-        """Which online correction a step uses: its drafts per row, rounded (at least 1 when
-        it drafts at all), so that steps of similar shape share one."""
-        if num_slots == 0:
-            return 0
-        return max(1, min(self.config.num_speculative_tokens, round(num_slots / num_rows)))
+    def _slowdown(self, speculate: bool) -> float:
+        """Predicted / measured tokens per second of recent steps of this side (plain or
+        speculating): what the start-up costs and the acceptance estimates leave out
+        (sampling, verification, the draft's catch-up, bookkeeping, optimism in the slots
+        chosen, a busier machine). A side not yet measured borrows the other's."""
+        return self.slowdown.get(speculate, self.slowdown.get(not speculate, 1.0))
 
-    def _ratio(self, key: int) -> float:
-        """Measured / predicted decode-step time (what the start-up costs leave out:
-        sampling, verification, bookkeeping, a busier machine): the ratio of all recent
-        steps times the relative ratio of steps of this key; an untried key borrows the
-        relative ratio of the nearest tried one."""
-        rel = self.step_ratio
-        if key not in rel and rel:
-            key = min(rel, key=lambda j: (abs(j - key), j))
-        return self.ratio * rel.get(key, 1.0)
-
-    def observe(self, seconds: float, weight: float = 0.1) -> None:
-        """Fold the measured time of the step whose lengths choose_lengths chose into the
-        corrections: the overall ratio (which follows the machine's load) and, relative to
-        it, its key's (what the model misses for steps of that shape). A step more than 10x
-        off the prediction (a one-time build, a pause of the process) is left out, and one
-        step moves a key's relative ratio by at most a factor of 2 before averaging, so a
-        burst of load on a busy machine cannot condemn a shape that is rarely retried."""
+    def observe(self, seconds: float, tokens: int, weight: float = 0.1,
+                try_weight: float = 0.3) -> None:
+        """Fold the measured time and tokens of the step whose lengths choose_lengths chose
+        into its side's slowdown: a plain mean over its first 1/weight steps, an EMA after,
+        in which a try of the side that does not lead weighs try_weight (its estimate is
+        older, and it is tried ever more rarely). A step more than 10x off the prediction (a
+        one-time build, a pause of the process) is left out, and a step of the leading side
+        counts at most twice (or half) its slowdown, so that a burst of load on a busy
+        machine moves it by at most a tenth. A load that changes is seen by the side
+        that runs, and the other one's next try brings its estimate up to date."""
         if self._chosen is None:
             return
-        key, predicted = self._chosen
+        speculate, predicted, tried = self._chosen
         self._chosen = None
-        if not predicted or not 0.1 <= seconds / predicted <= 10.0:
+        if not predicted or not seconds or not tokens:
             return
-        r = seconds / predicted
-        first = not self.step_ratio
-        rel = min(max(r / self.ratio, 0.5), 2.0) if not first else 1.0
-        n = self.observed[key] = self.observed.get(key, 0) + 1
-        total = sum(self.observed.values())
-        # a plain mean over the first 1/weight observations, an EMA after
-        self.ratio = r if first else self.ratio + max(weight, 1 / total) * (r - self.ratio)
-        old = self.step_ratio.get(key, rel)
-        self.step_ratio[key] = old + max(weight, 1 / n) * (rel - old)
+        r = predicted / (tokens / seconds)
+        if not 0.1 <= r <= 10.0:
+            return
+        n = self.observed[speculate] = self.observed.get(speculate, 0) + 1
+        old = self.slowdown.get(speculate)
+        if old is None:
+            self.slowdown[speculate] = r
+            return
+        if not tried:
+            r = min(max(r, old / 2), old * 2)
+        self.slowdown[speculate] = old + max(try_weight if tried else weight, 1 / n) * (r - old)
