@@ -172,6 +172,18 @@ def test_job_definitions_run(name, columns, tmp_path, monkeypatch, tiny_llama):
     assert sorted(outputs.column("id").to_pylist()) == sorted(columns["id"])
 
 
+def test_yaml_dates_fill_output_and_suffix_seed(tmp_path):
+    import datetime as dt
+
+    from batchspec.jobs.spec import load_yaml
+    config = tmp_path / "job.yaml"
+    config.write_text("inputs: ['docs/{yesterday}/*.parquet']\noutput: out/{yesterday}\n"
+                      "suffix_seed: out/{ago[2]}\ndrafts: {default: suffix}\n")
+    values = load_yaml(str(config), dt.datetime(2026, 3, 1, 2, 30, tzinfo=dt.UTC))
+    assert values["inputs"] == ["docs/2026-02-28/*.parquet"]
+    assert values["output"] == "out/2026-02-28" and values["suffix_seed"] == "out/2026-02-27"
+
+
 def test_schedules_parse():
     import datetime as dt
 

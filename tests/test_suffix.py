@@ -164,3 +164,41 @@ def test_routed_rows_choose_per_round_and_stay_exact(tiny_llama, tiny_draft, pla
     # a random model draft is almost never right: the suffix source wins the rounds it can
     assert sum(src == "suffix" for o in outs for src in o.stats["round_source"]) > \
         sum(src == tiny_draft for o in outs for src in o.stats["round_source"])
+
+
+def test_a_job_seeded_with_last_nights_outputs_drafts_from_them(tiny_llama, tmp_path, caplog):
+    """suffix_seed: tonight's run of a job drafts from the outputs of last night's (the
+    same prompts here, so the same greedy outputs): the outputs equal an unseeded run's and
+    the seeded run accepts more drafts. A seed directory without outputs (a first night)
+    warns and runs unseeded; a seed without a suffix draft is a configuration error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchspec.jobs.runner import run_local
+    from batchspec.jobs.spec import JobSpec
+    from tests.jobdata import read_dir
+    prompts = [f"def f{i}(x):" for i in range(12)]
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [str(i) for i in range(12)], "prompt": prompts,
+                             "domain": ["code"] * 12}), src)
+
+    def night(name, seed=None):
+        spec = JobSpec(inputs=[str(src)], output=str(tmp_path / name), model=tiny_llama,
+                       drafts={"default": "suffix"}, max_tokens=24, shard_size=4,
+                       min_acceptance=0.0, suffix_seed=seed)
+        doc = run_local(spec, progress=False)
+        assert doc["state"] == "completed"
+        outs = sorted(read_dir(tmp_path / name, "outputs").to_pylist(), key=lambda r: r["id"])
+        accepted = sum(read_dir(tmp_path / name, "acceptance").column("total_accepted")
+                       .to_pylist())
+        return [o["token_ids"] for o in outs], accepted
+
+    with caplog.at_level("WARNING"):
+        first, first_accepted = night("night1", seed=str(tmp_path / "night0"))
+    assert "holds no outputs" in caplog.text
+    second, second_accepted = night("night2", seed=str(tmp_path / "night1"))
+    assert second == first
+    assert second_accepted > first_accepted
+    with pytest.raises(ValueError, match="suffix_seed seeds suffix drafts"):
+        JobSpec(inputs=[str(src)], output=str(tmp_path / "x"), model=tiny_llama,
+                suffix_seed=str(tmp_path / "night1"))

@@ -31,8 +31,9 @@ JOB_OPTIONS = [
                  help="Target model (HF directory). Default: the bundled demo models."),
     click.option("--draft", "drafts", multiple=True, metavar="DOMAIN=PATH",
                  envvar="BATCHSPEC_DRAFTS",
-                 help="Draft for a domain: an HF directory, 'ngram' or 'suffix' (repeatable; "
-                      "'default' serves rows without a matching domain)."),
+                 help="Draft for a domain: an HF directory, 'ngram', 'suffix', or DIR+suffix "
+                      "(each round from whichever promises more) (repeatable; 'default' "
+                      "serves rows without a matching domain)."),
     click.option("-k", "--num-speculative-tokens", type=int,
                  envvar="BATCHSPEC_NUM_SPECULATIVE_TOKENS",
                  help="Most tokens a draft proposes per round [4]."),
@@ -68,6 +69,9 @@ JOB_OPTIONS = [
                  envvar="BATCHSPEC_ADAPTIVE_K",
                  help="Per step, draft the k (0..-k) with the most expected tokens/s, from "
                       "costs measured at start-up [fixed k]."),
+    click.option("--suffix-seed", metavar="DIR",
+                 help="Output directory of an earlier run whose outputs seed the job-wide "
+                      "suffix drafts (e.g. last night's); needs a suffix draft."),
     click.option("--prefix-caching/--no-prefix-caching", "prefix_caching", default=None,
                  help="Share the KV cache of identical prompt prefixes between rows [on]."),
     click.option("--template", help="Prompt template over input columns, e.g. "

@@ -116,3 +116,29 @@ def write_shard(output: str, shard: Shard, outputs: list[dict], records: list[di
     write_shard_file(fs, root, "acceptance", shard, records)
     write_shard_file(fs, root, "errors", shard, errors)
     write_shard_file(fs, root, "outputs", shard, outputs)
+
+
+def read_outputs_for_seed(output: str, max_tokens: int) -> dict[str | None, list[list[int]]]:
+    """The completed outputs (token ids) of an earlier run in `output`, per domain, oldest
+    shard first, keeping per domain only the newest that fit in max_tokens tokens: what a
+    job's suffix_seed feeds the job-wide suffix tries. {} when the directory has no outputs
+    (a first run). Only the token_ids, domain and finish_reason columns are read."""
+    fs, root = output_fs(output)
+    paths = sorted(fs.glob(f"{root}/outputs/*.parquet"))
+    per_domain: dict[str | None, list[list[int]]] = {}
+    for path in paths:
+        with fs.open(path, "rb") as f:
+            table = pq.read_table(f, columns=["token_ids", "domain", "finish_reason"])
+        for ids, domain, reason in zip(*(table.column(c).to_pylist() for c in
+                                         ("token_ids", "domain", "finish_reason"))):
+            if ids and reason in ("stop", "length"):
+                per_domain.setdefault(domain, []).append(ids)
+    for domain, outs in per_domain.items():
+        kept, total = [], 0
+        for ids in reversed(outs):
+            if total + len(ids) > max_tokens:
+                break
+            kept.append(ids)
+            total += len(ids)
+        per_domain[domain] = kept[::-1]
+    return per_domain

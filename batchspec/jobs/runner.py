@@ -12,6 +12,7 @@ import datetime as dt
 import logging
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from batchspec.jobs import metrics
 from batchspec.jobs.outputs import (
     output_fs,
+    read_outputs_for_seed,
     shard_counts,
     shard_path,
     write_shard,
@@ -96,6 +98,8 @@ class ShardDriver:
         self.contain_failures = contain_failures
         self._by_seq: dict[int, ShardWork] = {}   # Sequence.seq_id -> its shard
         self.num_tokens = 0
+        if spec.suffix_seed:
+            seed_suffix_drafts(llm.engine, spec.suffix_seed)
 
     def add(self, shard: Shard) -> ShardWork:
         """Queue the shard's valid rows; a shard with none is written at once."""
@@ -212,6 +216,33 @@ class ShardDriver:
                                   sum(len(o.token_ids) for o in outs),
                                   time.perf_counter() - work.t0)
         metrics.on_shard(self.job_id, outputs, records, len(errors), work.result.wall_s)
+
+
+_seeded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> seeds applied
+
+
+def seed_suffix_drafts(engine, seed: str) -> None:
+    """Seed the engine's job-wide suffix tries with the outputs in `seed` (an earlier run's
+    output directory), once per engine and directory. The seed only speeds drafting up, so a
+    directory without outputs (a first run) or one that cannot be read leaves the tries
+    empty, with a warning, and the job goes on."""
+    done = _seeded.setdefault(engine, set())
+    if seed in done:
+        return
+    done.add(seed)
+    try:
+        outputs = read_outputs_for_seed(seed, engine.config.suffix_max_tokens)
+    except Exception as e:  # noqa: BLE001 - a bad seed must not fail the job
+        log.warning("suffix_seed %s cannot be read (%s: %s); the job-wide suffix tries "
+                    "start empty", seed, type(e).__name__, e)
+        return
+    if not outputs:
+        log.warning("suffix_seed %s holds no outputs; the job-wide suffix tries start empty",
+                    seed)
+        return
+    engine.seed_suffix_drafts(outputs)
+    log.info("seeded the job-wide suffix tries with %d outputs of %s",
+             sum(map(len, outputs.values())), seed)
 
 
 def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from batchspec.config import EngineConfig
+from batchspec.config import SUFFIX, EngineConfig, draft_sources
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.sampling import SamplingParams
 
@@ -51,6 +51,9 @@ class JobSpec:
     prefix_caching: bool = True       # share the KV of identical prompt prefixes
     max_attempts: int = 3             # deliveries of a shard before it is marked failed
     output_format: str = "parquet"    # openai: also OUT/openai/{output,errors}.jsonl
+    # output directory of an earlier run (e.g. "out/{yesterday}" in a scheduled job) whose
+    # outputs seed the job-wide suffix tries; needs a suffix draft
+    suffix_seed: str | None = None
     name: str | None = None
     job_id: str | None = None
 
@@ -77,6 +80,12 @@ class JobSpec:
         if self.output_format not in OUTPUT_FORMATS:
             raise ValueError(f"output_format must be one of {list(OUTPUT_FORMATS)}, "
                              f"got {self.output_format!r}")
+        if self.suffix_seed is not None:
+            if not any(SUFFIX in draft_sources(v) for v in self.drafts.values()):
+                raise ValueError("suffix_seed seeds suffix drafts, and no domain drafts with "
+                                 "them: add --draft DOMAIN=suffix or DOMAIN=DIR+suffix")
+            if "://" not in self.suffix_seed:
+                self.suffix_seed = os.path.abspath(self.suffix_seed)
         if self.template is not None and not self.template.strip():
             raise ValueError("template is empty")
         self.sampling_params()
@@ -162,13 +171,27 @@ def parse_drafts(drafts) -> dict[str, str]:
     return out
 
 
+class _DaysAgo:
+    """'{ago[N]}' in a path: the date N days before the firing."""
+
+    def __init__(self, today: dt.date):
+        self.today = today
+
+    def __getitem__(self, n) -> dt.date:
+        return self.today - dt.timedelta(days=int(n))
+
+
 def fill_dates(text: str, now: dt.datetime) -> str:
-    """'{date}', '{yesterday}', '{now:%Y%m%dT%H%M}' -> the firing time's values."""
-    return text.format(date=now.date(), yesterday=now.date() - dt.timedelta(days=1), now=now)
+    """'{date}', '{yesterday}', '{ago[N]}' (N days before), '{now:%Y%m%dT%H%M}' -> the
+    firing time's values."""
+    today = now.date()
+    return text.format(date=today, yesterday=today - dt.timedelta(days=1), now=now,
+                       ago=_DaysAgo(today))
 
 
 def load_yaml(path: str, now: dt.datetime | None = None) -> dict:
-    """A job YAML as JobSpec fields; date templates in inputs and output are filled in."""
+    """A job YAML as JobSpec fields; date templates in inputs, output and suffix_seed are
+    filled in."""
     try:
         with open(path) as f:
             values = yaml.safe_load(f) or {}
@@ -186,8 +209,9 @@ def load_yaml(path: str, now: dt.datetime | None = None) -> dict:
             inputs = values["inputs"]
             values["inputs"] = [fill_dates(p, now) for p in
                                 ([inputs] if isinstance(inputs, str) else inputs)]
-        if "output" in values:
-            values["output"] = fill_dates(str(values["output"]), now)
+        for key in ("output", "suffix_seed"):
+            if values.get(key) is not None:
+                values[key] = fill_dates(str(values[key]), now)
     except (KeyError, ValueError, IndexError) as e:
         raise ValueError(f"job config {path!r}: bad date template in a path: {e}") from e
     return values

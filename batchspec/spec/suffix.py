@@ -183,14 +183,25 @@ class SuffixProposer:
 
     def finish(self, seq: Sequence, completed: bool) -> None:
         """seq left the engine: drop its own trie; a completed request's output joins its
-        domain's job-wide trie, whose oldest outputs go once it holds max_tokens."""
+        domain's job-wide trie."""
         self.requests.pop(seq.seq_id, None)
-        out = seq.output_token_ids
-        if not completed or not out or len(out) > self.max_tokens:
+        if completed:
+            self.remember(seq.domain, seq.output_token_ids)
+
+    def seed(self, domain: str | None, outputs: list[list[int]]) -> None:
+        """Outputs of an earlier run (oldest first) join the domain's job-wide trie as if
+        its requests had just finished here: a scheduled job drafts from last night's."""
+        for out in outputs:
+            self.remember(domain, list(out))
+
+    def remember(self, domain: str | None, out: list[int]) -> None:
+        """Add one output to its domain's job-wide trie, whose oldest outputs go once it
+        holds max_tokens."""
+        if not out or len(out) > self.max_tokens:
             return
-        dom = self.domains.get(seq.domain)
+        dom = self.domains.get(domain)
         if dom is None:
-            dom = self.domains[seq.domain] = _DomainTrie()
+            dom = self.domains[domain] = _DomainTrie()
         dom.trie.insert(out)
         dom.texts.append(out)
         dom.tokens += len(out)

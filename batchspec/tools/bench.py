@@ -10,9 +10,11 @@ and the outputs of earlier requests in the same run; every timed run starts with
 job-wide trie), `suffix-adaptive` (suffix drafts with adaptive_k) and `spec-routed` (each
 domain's draft routed per row and round with suffix drafts, adaptive_k). For each batch size and temperature it reports tokens/s, α, tokens
 per target pass, speedups over each baseline and observed / theoretical speedup, where
-theoretical = E[tokens per pass] / (1 + k c) (Leviathan et al. 2023) with the per-token
-acceptance probability of batchspec.contract, c = draft/target parameter ratio, and
-observed = tokens/s over batchspec plain at the same batch size and T."""
+theoretical = E[tokens per pass] / (1 + k c f) (Leviathan et al. 2023) with the per-token
+acceptance probability of batchspec.contract, c = draft/target parameter ratio, f = share of
+rounds a draft model drafted (1 for a model draft at fixed k; routed and adaptive rows also
+have lookup or plain rounds, which cost no draft pass), and observed = tokens/s over
+batchspec plain at the same batch size and T."""
 from __future__ import annotations
 
 import json
@@ -94,8 +96,11 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
                         domains=domains[:len(prompt_ids)], use_tqdm=False)
     wall = time.perf_counter() - t0
     from batchspec.contract import totals
+    sources = [src for o in outs for src in o.stats["round_source"]]
+    model_rounds = sum(src not in (None, "ngram", "suffix") for src in sources)
     return {"tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall,
-            "totals": totals(o.stats for o in outs)}
+            "totals": totals(o.stats for o in outs),
+            "model_round_share": model_rounds / max(len(sources), 1)}
 
 
 def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
@@ -117,13 +122,17 @@ def finish_row(row, k, cost):
     from batchspec.contract import speedup_theoretical, summarize
     row["tok_s"] = round(row["tokens"] / row["wall_s"], 1)
     t = row.pop("totals", None)
+    if not (t and t["total_drafted"]):
+        row.pop("model_round_share", None)
     if t and t["total_drafted"]:
         s = summarize(t)
         row["alpha"] = round(s["acceptance_rate"], 4)
         row["tokens_per_pass"] = round(s["mean_accepted_length"], 3)
-        # p, not α: the per-token acceptance the formula assumes (batchspec.contract)
+        # p, not α: the per-token acceptance the formula assumes (batchspec.contract); the
+        # draft's cost only in the rounds a model drafted (not lookup or plain rounds)
+        share = row.pop("model_round_share", 1.0)
         row["speedup_theoretical"] = round(
-            speedup_theoretical(s["token_acceptance_prob"] or 0.0, k, cost), 3)
+            speedup_theoretical(s["token_acceptance_prob"] or 0.0, k, cost * share), 3)
     return row
 
 
