@@ -199,8 +199,14 @@ def expected_tokens_per_pass(p: float, k):
     return (1.0 - p ** (k + 1)) / (1.0 - p)
 
 
-def speedup_theoretical(p: float, k: int, cost_ratio: float) -> float:
-    return expected_tokens_per_pass(p, k) / (1.0 + k * cost_ratio)
+def speedup_theoretical(p: float, k: int, cost_ratio: float, drafted_share: float = 1.0,
+                        model_share: float = 1.0) -> float:
+    """Leviathan et al.'s E[tokens per pass] / (1 + k c). With rounds of several kinds (a
+    row's plain steps under adaptive lengths, lookup rounds of a routed row): a share
+    drafted_share of rounds draft (the others make one token) and a share model_share pay
+    a draft model's k forwards."""
+    per_pass = drafted_share * expected_tokens_per_pass(p, k) + (1.0 - drafted_share)
+    return per_pass / (1.0 + k * cost_ratio * model_share)
 
 
 SUMMARY_COUNTERS = ("prompt_tokens", "cached_prompt_tokens", "tokens_generated",

@@ -34,6 +34,12 @@ def rows_with(policy, n, source, p, domain=None, rounds=200):
     return seqs
 
 
+def set_slowdowns(policy, spec, plain):
+    """As if speculating steps had measured `spec` times fewer tokens per second than
+    predicted, and plain steps `plain` times fewer."""
+    policy.measured = {True: [1.0, 1.0, 1.0, spec], False: [1.0, 1.0, 1.0, plain]}
+
+
 def flat(q_cost):
     """Target cost that does not depend on the tokens per row (verification free)."""
     return {q: [q_cost(1, q), q_cost(4, q), q_cost(32, q)] for q in range(1, 6)}
@@ -118,12 +124,23 @@ def test_a_burst_of_load_moves_a_side_by_a_tenth_at_most():
     policy = SpecPolicy(Cfg(), 1024)
     assert policy._slowdown(True) == policy._slowdown(False) == 1.0
     for speculate in [False] + [True] * 10:
-        policy._chosen = (speculate, 10.0, False)
+        policy._chosen = (speculate, 10.0, 1.0, False)
         policy.observe(1.0, 10)
-    policy._chosen = (True, 10.0, False)
+    policy._chosen = (True, 10.0, 1.0, False)
     policy.observe(8.0, 10)                     # a step 8x slower than predicted
     assert policy._slowdown(True) == pytest.approx(1.1)   # counted as 2x, weight 0.1
     assert policy._slowdown(False) == 1.0
+
+
+def test_slowdown_is_a_ratio_of_averages_not_an_average_of_ratios():
+    """Speculating steps at batch size 1 make 1 to k+1 tokens: steps as predicted on
+    average (2 tokens predicted, 1 and 3 made in turn, in the predicted time) measure a
+    slowdown of 1, where averaging per-step ratios would say 4/3."""
+    policy = SpecPolicy(Cfg(), 1024)
+    for i in range(40):
+        policy._chosen = (True, 2.0, 1.0, False)
+        policy.observe(1.0, 1 if i % 2 else 3)
+    assert policy._slowdown(True) == pytest.approx(1.0, abs=0.1)
 
 
 def test_the_other_side_is_tried_ever_more_rarely_while_it_loses():
@@ -133,7 +150,7 @@ def test_the_other_side_is_tried_ever_more_rarely_while_it_loses():
     from batchspec.spec.policy import EXPLORE, FAR_EXPLORE, MAX_EXPLORE, TRY_STEPS
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
-    policy.slowdown = {True: 3.5, False: 1.0}
+    set_slowdowns(policy, 3.5, 1.0)
     picks = [policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
              for _ in range(32 * EXPLORE)]
     plain = [i for i, p in enumerate(picks, 1) if p == [0] * 4]
@@ -141,7 +158,7 @@ def test_the_other_side_is_tried_ever_more_rarely_while_it_loses():
     assert plain == [t + i for t in starts for i in range(TRY_STEPS)] and picks[0] == [4] * 4
     assert MAX_EXPLORE == 8 * EXPLORE
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
-    policy.slowdown = {True: 1.0, False: 1.0}
+    set_slowdowns(policy, 1.0, 1.0)
     picks = [policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
              for _ in range(FAR_EXPLORE)]
     assert [i for i, p in enumerate(picks, 1) if p == [0] * 4] == [FAR_EXPLORE]
@@ -162,8 +179,8 @@ def test_measured_goodput_turns_a_losing_side_off():
             lengths = policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
             picks.append(any(lengths))
             if policy._chosen is not None:    # None: a step that catches the drafts up
-                speculate, predicted, _ = policy._chosen
-                policy.observe(1.0, round(predicted * (spec_speed if speculate else 1.0)))
+                speculate, tokens, seconds, _ = policy._chosen
+                policy.observe(seconds, tokens * (spec_speed if speculate else 1.0))
         return picks
     run(4 * EXPLORE, 1 / 6)
     late = run(FAR_EXPLORE, 1 / 6)
@@ -178,7 +195,7 @@ def test_a_speculating_step_after_plain_ones_is_not_measured():
     from batchspec.spec.policy import EXPLORE, TRY_STEPS
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
-    policy.slowdown = {True: 4.5, False: 1.0}     # speculation measured as losing a little
+    set_slowdowns(policy, 4.5, 1.0)     # speculation measured as losing a little
     chosen = []
     for _ in range(EXPLORE + TRY_STEPS + 1):
         lengths = policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)

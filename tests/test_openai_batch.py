@@ -150,3 +150,27 @@ def test_line_fields_map_onto_row_overrides():
     assert row == {"id": "x", "messages": [{"role": "user", "content": "Hi there"}],
                    "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
                    "stop": ["END"], "domain": "code", "_line": 1}
+
+
+def test_request_file_shards_seek_to_their_first_line(tmp_path):
+    """Each shard of a request file records where its first row starts (byte offset, line
+    number), found in the one pass that counts the rows, and reads from there: the rows,
+    their line numbers (in error messages) and their ids are those of reading the file from
+    the top, blank and non-ASCII lines included; the position survives the job record."""
+    from batchspec.jobs import openai_batch
+    from batchspec.jobs.shards import Shard, plan_shards, read_shard
+    path = tmp_path / "requests.jsonl"
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "m", "prompt": f"naïve {i} — ✓"}}) for i in range(11)]
+    lines[4:4] = ["", "   "]                     # blank lines are not rows
+    lines.insert(8, '{"custom_id": "cut"')       # malformed: a row with an error
+    path.write_text("\n".join(lines) + "\n\n")
+    shards = plan_shards([str(path)], 3)
+    assert [s.num_rows for s in shards] == [3, 3, 3, 3] and shards[0].line_at == (0, 1)
+    assert all(s.line_at[0] > 0 for s in shards[1:])
+    whole = openai_batch.read_rows(str(path), 0, 12, shards[0].source).to_pylist()
+    parts = [r for s in shards for r in read_shard(Shard.from_dict(s.to_dict())).to_pylist()]
+    assert parts == whole and len(whole) == 12
+    ids = [r["id"] for r in whole]
+    assert ids == [f"r{i}" for i in range(6)] + ["requests:line9"] + [f"r{i}" for i in
+                                                                       range(6, 11)]

@@ -286,3 +286,36 @@ def test_celery_worker_tp2_then_kill_9_of_its_pool_child(tp_job, start_worker, r
     assert wait_gone([rank], timeout=10) == []
     worker.kill()
     assert wait_gone(rank_processes(model), timeout=10) == []
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_run_is_one_line_and_the_job_resumes(tp_job):
+    """kill -9 of rank 1 while `batchspec run --tensor-parallel-size 2` decodes (rows of
+    staggered lengths: the first shard is written while the others still run): one line on
+    stderr saying which rank stopped and what to do, exit 1, no traceback; running the same
+    command again finishes the job, every row once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    model, _, _, folder = tp_job
+    src = folder / "staggered.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(32)],
+                             "prompt": [f"def f{i}(x):" for i in range(32)],
+                             "max_tokens": [4 + 6 * i for i in range(32)]}), src)
+    out = folder / "killed"
+    args = ["run", src, "--model", model, "--shard-size", 4, "-q", "-o", out,
+            "--tensor-parallel-size", 2]
+    proc = subprocess.Popen([sys.executable, "-m", "batchspec.cli", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    [rank] = wait_until(lambda: rank_processes(model), 60, "the rank process")
+    wait_until(lambda: os.path.isdir(out / "outputs") and os.listdir(out / "outputs"), 120,
+               "a first shard", interval=0.01)
+    os.kill(rank, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "tensor-parallel rank 1 stopped" in err, err
+    assert "run the same command again" in err and len(err.strip().splitlines()) == 1, err
+    assert len(read_dir(out, "outputs")) < 32
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert sorted(read_dir(out, "outputs").column("id").to_pylist()) == \
+        sorted(f"r{i}" for i in range(32))

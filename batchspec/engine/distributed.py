@@ -64,6 +64,11 @@ def new_group(store, rank: int, size: int, device: str):
     return ProcessGroupGloo(store, rank, size, opts)
 
 
+class TargetFailed(RuntimeError):
+    """A tensor-parallel target stopped: a rank exited or a call failed mid-way. The engine
+    is closed (its ranks may have stopped at different points of a step)."""
+
+
 class TensorParallelRunner(ModelRunner):
     """Rank 0 of a target sharded over len(devices) ranks; the ModelRunner interface, with
     every call mirrored on the other ranks."""
@@ -115,7 +120,7 @@ class TensorParallelRunner(ModelRunner):
             failure = self._rank_failure(f"before it {stage}")
             if failure or time.monotonic() > deadline:
                 self._kill()
-                raise RuntimeError(failure or f"tensor-parallel ranks did not start within "
+                raise TargetFailed(failure or f"tensor-parallel ranks did not start within "
                                               f"{START_TIMEOUT_S} s")
             time.sleep(0.02)
 
@@ -133,7 +138,7 @@ class TensorParallelRunner(ModelRunner):
     def _call(self, method: str, *args):
         """Run `method` on every rank; rank 0's result."""
         if self.closed:
-            raise RuntimeError("the tensor-parallel target was closed")
+            raise TargetFailed("the tensor-parallel target was closed")
         try:
             for conn in self._conns:
                 conn.send((method, args))
@@ -148,9 +153,9 @@ class TensorParallelRunner(ModelRunner):
             failure = self._rank_failure(f"during {method}")
             self._kill()
             if failure:
-                raise RuntimeError(failure) from e
+                raise TargetFailed(failure) from e
             if isinstance(e, Exception):
-                raise RuntimeError(f"tensor-parallel {method} failed: {e}") from e
+                raise TargetFailed(f"tensor-parallel {method} failed: {e}") from e
             raise
 
     def _kill(self) -> None:

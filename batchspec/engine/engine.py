@@ -247,7 +247,7 @@ class Engine:
         more of them than of the model's (else the model drafts). With adaptive_k the policy
         then sets every row's length (what a lookup found bounds its row), and model drafts
         draft only that many, level by level. Returns whether the policy chose lengths this
-        step."""
+        step and the step is one to measure (no draft catches up more than a round)."""
         rows = [s for s in sampling if s.max_drafts > 0]
         for s in rows:
             s.source = s.seq.spec.draft
@@ -274,9 +274,15 @@ class Engine:
                 s.max_drafts = n
                 if s.proposal is not None:
                     s.proposal = Proposal(s.proposal.token_ids[:n], None) if n else None
+        k = self.config.num_speculative_tokens
         for name, group in self._by_source(rows).items():
             group = [s for s in group if s.max_drafts > 0]
             if is_model[name] and group:
+                # a row whose draft is more than a round behind (a new row's prompt, tokens
+                # of plain steps) makes this step also a catch-up: not a speculating step's
+                # usual cost, so the policy does not measure it
+                chose = chose and all(len(s.seq) - s.seq.spec.num_draft_computed <= k + 1
+                                      for s in group)
                 self._draft(name, group)
         return chose
 

@@ -141,8 +141,9 @@ def os_problem(e: OSError) -> str:
 
 
 def clear_errors(fn):
-    """Turn a condition a user can cause (bad input, a missing file, Redis unreachable, a
-    full or read-only disk) into a one-line error and exit 1: no traceback."""
+    """Turn a condition a user can cause or meets (bad input, a missing file, Redis
+    unreachable, a full or read-only disk, a tensor-parallel rank that died) into a one-line
+    error and exit 1: no traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -150,6 +151,11 @@ def clear_errors(fn):
         except click.ClickException:
             raise
         except Exception as e:
+            tp = sys.modules.get("batchspec.engine.distributed")  # loaded if a target was
+            if tp is not None and isinstance(e, tp.TargetFailed):  # a rank died (host, OOM)
+                raise click.ClickException(
+                    f"{e}. Shards already written are kept: run the same command again to "
+                    f"finish the job") from e
             message = redis_problem(e)
             if message is None and isinstance(e, OSError) and not isinstance(
                     e, FileNotFoundError):

@@ -63,16 +63,38 @@ class LineError(ValueError):
         self.error_type = error_type
 
 
-def _lines(path: str):
-    """(line number, text) of the file's non-blank lines."""
-    with fsspec.open(path, "rt", encoding="utf-8") as f:
-        for number, text in enumerate(f, 1):
-            if text.strip():
-                yield number, text
+def _lines(path: str, offset: int = 0, first_line: int = 1):
+    """(line number, text) of the file's non-blank lines, from byte `offset` on (the start
+    of line number first_line)."""
+    for number, _, raw in _raw_lines(path, offset, first_line):
+        yield number, raw.decode("utf-8")
+
+
+def _raw_lines(path: str, offset: int = 0, first_line: int = 1):
+    """(line number, byte offset, bytes) of the non-blank lines from `offset` on."""
+    with fsspec.open(path, "rb") as f:
+        if offset:
+            f.seek(offset)
+        for number, raw in enumerate(f, first_line):
+            if raw.strip():
+                yield number, offset, raw
+            offset += len(raw)
+
+
+def row_starts(path: str, every: int) -> tuple[int, list[tuple[int, int]]]:
+    """One pass over a request file: (number of rows, [(byte offset, line number)] of rows
+    0, every, 2 * every, ...), so that each shard of `every` rows seeks to its first line
+    instead of reading the file from the top."""
+    starts, n = [], 0
+    for number, offset, _ in _raw_lines(path):
+        if n % every == 0:
+            starts.append((offset, number))
+        n += 1
+    return n, starts
 
 
 def count_rows(path: str) -> int:
-    return sum(1 for _ in _lines(path))
+    return sum(1 for _ in _raw_lines(path))
 
 
 def _number(body: dict, name: str, integer: bool):
@@ -184,10 +206,13 @@ def parse_row(number: int, text: str, source: str) -> dict:
     return row | {"_line": number}
 
 
-def read_rows(path: str, start: int, num_rows: int, source: str) -> pa.Table:
-    """Rows start .. start+num_rows (counted over non-blank lines) of a request file."""
+def read_rows(path: str, start: int, num_rows: int, source: str,
+              at: tuple[int, int] | None = None) -> pa.Table:
+    """Rows start .. start+num_rows (counted over non-blank lines) of a request file; `at`:
+    (byte offset, line number) of row `start` (row_starts), read from there."""
     rows = []
-    for i, (number, text) in enumerate(_lines(path)):
+    first = 0 if at is None else start
+    for i, (number, text) in enumerate(_lines(path, *(at or (0, 1))), first):
         if i >= start + num_rows:
             break
         if i >= start:

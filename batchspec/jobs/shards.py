@@ -28,6 +28,8 @@ class Shard:
     start: int       # first row (within the file)
     num_rows: int
     duplicate_rows: tuple[int, ...] = ()   # rows (from start) whose id an earlier row has
+    # text inputs (OpenAI Batch .jsonl): (byte offset, line number) of row `start`
+    line_at: tuple[int, int] | None = None
 
     @property
     def id(self) -> str:
@@ -43,11 +45,17 @@ class Shard:
             del d["duplicate_rows"]
         else:
             d["duplicate_rows"] = list(self.duplicate_rows)
+        if self.line_at is None:
+            del d["line_at"]
+        else:
+            d["line_at"] = list(self.line_at)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Shard:
-        return cls(**{**d, "duplicate_rows": tuple(d.get("duplicate_rows", ()))})
+        line_at = d.get("line_at")
+        return cls(**{**d, "duplicate_rows": tuple(d.get("duplicate_rows", ())),
+                      "line_at": None if line_at is None else tuple(line_at)})
 
 
 def _is_url(path: str) -> bool:
@@ -130,8 +138,10 @@ def plan_shards(files: list[str], shard_size: int,
         if openai_batch.is_openai_batch(path):  # OpenAI Batch requests: ranges of lines
             if check_schema is not None:
                 check_schema(path, openai_batch.ROW_SCHEMA)
-            for start, num_rows in split_row_groups([openai_batch.count_rows(path)], shard_size):
-                shards.append(Shard(len(shards), path, source, start, num_rows))
+            total, starts = openai_batch.row_starts(path, shard_size)
+            for (start, num_rows), at in zip(split_row_groups([total], shard_size), starts,
+                                             strict=True):
+                shards.append(Shard(len(shards), path, source, start, num_rows, line_at=at))
             continue
         pf = _open_parquet(path)
         if check_schema is not None:
@@ -146,7 +156,8 @@ def read_shard(shard: Shard, columns: list[str] | None = None) -> pa.Table:
     """The shard's rows (of `columns`, default all), reading only the row groups that hold
     them."""
     if openai_batch.is_openai_batch(shard.path):
-        table = openai_batch.read_rows(shard.path, shard.start, shard.num_rows, shard.source)
+        table = openai_batch.read_rows(shard.path, shard.start, shard.num_rows, shard.source,
+                                       shard.line_at)
         return table if columns is None else table.select(
             [c for c in columns if c in table.column_names])
     pf = _open_parquet(shard.path)

@@ -117,15 +117,17 @@ class SpecPolicy:
         self.costs: StepCosts | None = None        # set by the engine when adaptive_k
         # source, or (source, domain) -> (accepted, judged) per depth
         self.pooled: dict[str | tuple, tuple[list[int], list[int]]] = {}
-        # speculating? -> EMA of predicted / measured tokens per second; steps observed
-        self.slowdown: dict[bool, float] = {}
+        # speculating? -> averages over its recent measured steps of [predicted tokens,
+        # predicted seconds, tokens, seconds]; steps observed
+        self.measured: dict[bool, list[float]] = {}
         self.observed: dict[bool, int] = {}
         self._winner: bool | None = None        # the side the corrections prefer
         self._interval, self._since = EXPLORE, 0  # steps between tries of the other side
         self._try_left = 0                  # steps of a try of the other side still to run
         self._speculated = False            # whether the last step speculated
-        # this step's (speculates, predicted tokens/s, a try of the side that does not lead)
-        self._chosen: tuple[bool, float, bool] | None = None
+        # this step's (speculates, predicted tokens, predicted seconds, a try of the side
+        # that does not lead)
+        self._chosen: tuple[bool, float, float, bool] | None = None
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
@@ -231,13 +233,14 @@ class SpecPolicy:
         if costs is None:
             return [n for _, _, n, _ in rows]
         num_rows = len(rows) + num_plain_rows
-        plain_rate = num_rows / max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
+        plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
+        plain_rate = num_rows / plain_s
         if self._winner is False and not self._try_left and (self._since + 1) % EXPLORE:
             # plain leads: the plans are weighed again every EXPLORE steps (tries are due
             # only then), not at every step, whose cost they would add to
             self._since += 1
             self._speculated = False
-            self._chosen = (False, plain_rate, False)
+            self._chosen = (False, num_rows, plain_s, False)
             return [0] * len(rows)
         survive, depth, row = [], [], []
         for i, (seq, source, n, _) in enumerate(rows):
@@ -247,7 +250,7 @@ class SpecPolicy:
                 survive.append(sp)
                 depth.append(d)
                 row.append(i)
-        spec_n, spec_rate = 0, 0.0        # the best plan that speculates
+        spec_n, spec_rate, spec_tokens, spec_s = 0, 0.0, 0.0, 0.0   # the best speculating plan
         order: list[int] = []
         if survive:
             # slots by survival, most likely first (ties: shallower, then earlier rows)
@@ -272,6 +275,7 @@ class SpecPolicy:
             rates = tokens / np.maximum(seconds, 1e-12)
             best = int(np.argmax(rates))
             spec_n, spec_rate = best + 1, float(rates[best])
+            spec_tokens, spec_s = float(tokens[best]), float(seconds[best])
         spec_c, plain_c = spec_rate / self._slowdown(True), plain_rate / self._slowdown(False)
         speculate = spec_n > 0 and spec_c > plain_c
         if speculate != self._winner:    # the other side leads now: explore it soon again
@@ -280,7 +284,7 @@ class SpecPolicy:
         # a side far behind is tried only every FAR_EXPLORE steps (each try of speculation
         # also costs the drafts' catch-up); one never measured is not known to be
         close = min(spec_c, plain_c) >= TRY_MARGIN * max(spec_c, plain_c) or \
-            len(self.slowdown) < 2
+            len(self.measured) < 2
         if self._try_left and spec_n:    # a try goes on
             speculate = not self._winner
             self._try_left -= 1
@@ -298,41 +302,50 @@ class SpecPolicy:
         # switching, not of speculating, so it is not measured.
         warm_up = speculate and not self._speculated
         self._speculated = speculate
-        self._chosen = None if warm_up else (
-            speculate, spec_rate if speculate else plain_rate, speculate != self._winner)
+        tried = speculate != self._winner
+        self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
+            else (False, num_rows, plain_s, tried)
         return lengths
 
     def _slowdown(self, speculate: bool) -> float:
         """Predicted / measured tokens per second of recent steps of this side (plain or
         speculating): what the start-up costs and the acceptance estimates leave out
-        (sampling, verification, the draft's catch-up, bookkeeping, optimism in the slots
-        chosen, a busier machine). A side not yet measured borrows the other's."""
-        return self.slowdown.get(speculate, self.slowdown.get(not speculate, 1.0))
+        (sampling, verification, bookkeeping, optimism in the slots chosen, a busier
+        machine). A ratio of averages (tokens and seconds averaged apart), not an average of
+        ratios: a speculating step's tokens vary from 1 to k+1 a row, and at small batches an
+        average of per-step ratios would overstate the slowdown by far. A side not yet
+        measured borrows the other's."""
+        m = self.measured.get(speculate) or self.measured.get(not speculate)
+        if m is None:
+            return 1.0
+        pred_tokens, pred_s, tokens, seconds = m
+        return (pred_tokens / pred_s) / (tokens / seconds)
 
     def observe(self, seconds: float, tokens: int, weight: float = 0.1,
                 try_weight: float = 0.3) -> None:
         """Fold the measured time and tokens of the step whose lengths choose_lengths chose
-        into its side's slowdown: a plain mean over its first 1/weight steps, an EMA after,
-        in which a try of the side that does not lead weighs try_weight (its estimate is
+        into its side's averages: plain means over its first 1/weight steps, EMAs after, in
+        which a try of the side that does not lead weighs try_weight (its averages are
         older, and it is tried ever more rarely). A step more than 10x off the prediction (a
         one-time build, a pause of the process) is left out, and a step of the leading side
-        counts at most twice (or half) its slowdown, so that a burst of load on a busy
-        machine moves it by at most a tenth. A load that changes is seen by the side
-        that runs, and the other one's next try brings its estimate up to date."""
+        counts at most twice (or half) its side's measured / predicted time, so that a
+        burst of load on a busy machine moves it by at most a tenth. A load that changes is
+        seen by the side that runs, and the other one's next try brings it up to date."""
         if self._chosen is None:
             return
-        speculate, predicted, tried = self._chosen
+        speculate, pred_tokens, pred_s, tried = self._chosen
         self._chosen = None
-        if not predicted or not seconds or not tokens:
-            return
-        r = predicted / (tokens / seconds)
-        if not 0.1 <= r <= 10.0:
+        if not pred_s or not seconds or not tokens or \
+                not 0.1 <= (pred_tokens / pred_s) / (tokens / seconds) <= 10.0:
             return
         n = self.observed[speculate] = self.observed.get(speculate, 0) + 1
-        old = self.slowdown.get(speculate)
-        if old is None:
-            self.slowdown[speculate] = r
+        m = self.measured.get(speculate)
+        if m is None:
+            self.measured[speculate] = [pred_tokens, pred_s, tokens, seconds]
             return
         if not tried:
-            r = min(max(r, old / 2), old * 2)
-        self.slowdown[speculate] = old + max(try_weight if tried else weight, 1 / n) * (r - old)
+            usual = m[3] / m[1] * pred_s       # this step's time at the side's usual ratio
+            seconds = min(max(seconds, usual / 2), usual * 2)
+        w = max(try_weight if tried else weight, 1 / n)
+        for i, v in enumerate((pred_tokens, pred_s, tokens, seconds)):
+            m[i] += w * (v - m[i])

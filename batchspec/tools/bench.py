@@ -13,8 +13,8 @@ per target pass, speedups over each baseline and observed / theoretical speedup,
 theoretical = E[tokens per pass] / (1 + k c f) (Leviathan et al. 2023) with the per-token
 acceptance probability of batchspec.contract, c = draft/target parameter ratio, f = share of
 rounds a draft model drafted (1 for a model draft at fixed k; routed and adaptive rows also
-have lookup or plain rounds, which cost no draft pass), and observed = tokens/s over
-batchspec plain at the same batch size and T."""
+have lookup or plain rounds, which cost no draft pass, and a plain round makes one token),
+and observed = tokens/s over batchspec plain at the same batch size and T."""
 from __future__ import annotations
 
 import json
@@ -98,9 +98,11 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
     from batchspec.contract import totals
     sources = [src for o in outs for src in o.stats["round_source"]]
     model_rounds = sum(src not in (None, "ngram", "suffix") for src in sources)
+    drafted_rounds = sum(src is not None for src in sources)
     return {"tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall,
             "totals": totals(o.stats for o in outs),
-            "model_round_share": model_rounds / max(len(sources), 1)}
+            "round_shares": (drafted_rounds / max(len(sources), 1),
+                             model_rounds / max(len(sources), 1))}
 
 
 def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
@@ -122,17 +124,16 @@ def finish_row(row, k, cost):
     from batchspec.contract import speedup_theoretical, summarize
     row["tok_s"] = round(row["tokens"] / row["wall_s"], 1)
     t = row.pop("totals", None)
-    if not (t and t["total_drafted"]):
-        row.pop("model_round_share", None)
+    shares = row.pop("round_shares", (1.0, 1.0))
     if t and t["total_drafted"]:
         s = summarize(t)
         row["alpha"] = round(s["acceptance_rate"], 4)
         row["tokens_per_pass"] = round(s["mean_accepted_length"], 3)
-        # p, not α: the per-token acceptance the formula assumes (batchspec.contract); the
-        # draft's cost only in the rounds a model drafted (not lookup or plain rounds)
-        share = row.pop("model_round_share", 1.0)
+        # p, not α: the per-token acceptance the formula assumes (batchspec.contract).
+        # Rounds without drafts (adaptive lengths' plain steps) make one token, and only the
+        # rounds a model drafted pay its cost (not lookup or plain rounds).
         row["speedup_theoretical"] = round(
-            speedup_theoretical(s["token_acceptance_prob"] or 0.0, k, cost * share), 3)
+            speedup_theoretical(s["token_acceptance_prob"] or 0.0, k, cost, *shares), 3)
     return row
 
 
