@@ -234,7 +234,6 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
         else None
     d_model = hfref.load_causal_lm(models["draft"], torch_dtype) if "hf-assisted" in methods else None
     common = dict(max_tokens=max_tokens, eos_id=tok.eos_token_id, seed=seed)
-    warm = prompt_ids[:2]
     rows = []
     for b in batch_sizes:
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
@@ -252,7 +251,9 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 else:
                     runs[method] = partial(run_engine, llms[method], domains=domains,
                                            temperature=t, max_tokens=max_tokens)
-                runs[method](warm)  # first-call costs (allocation, lazy init) are not throughput
+                # one batch first: first-call costs (allocation, lazy init) and what adaptive
+                # lengths learn in a job's first steps are not the throughput of a long job
+                runs[method](prompt_ids[:max(2, b)])
             # Methods take turns, so a busy stretch of a shared machine hits all of them; the
             # fastest of each method's runs is its least disturbed one.
             results: dict[str, list[dict]] = {m: [] for m in runs}
