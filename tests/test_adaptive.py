@@ -27,8 +27,9 @@ def rows_with(policy, n, source, p, domain=None, rounds=200):
         seqs.append(seq)
     judged = [1000] * 4
     acc = [int(p * 1000)] * 4
-    policy.pooled[source] = (list(acc), list(judged))
-    policy.pooled[(source, domain)] = (list(acc), list(judged))
+    src, dom = policy._pool_keys(seqs[0], source)
+    policy.pooled[src] = (list(acc), list(judged))
+    policy.pooled[dom] = (list(acc), list(judged))
     for seq in seqs:
         seq.spec.source_depth[source] = ([int(p * rounds)] * 4, [rounds] * 4)
     return seqs
@@ -98,7 +99,8 @@ def test_estimates_shrink_towards_the_pool():
     seq.spec.draft = "d"
     # no history at all: the prior at every depth
     assert policy.depth_probs(seq, "d", 3) == pytest.approx([0.6] * 3)
-    policy.pooled["d"] = ([900, 400], [1000, 1000])
+    greedy_pool = policy._pool_keys(seq, "d")[0]
+    policy.pooled[greedy_pool] = ([900, 400], [1000, 1000])
     p = policy.depth_probs(seq, "d", 3)
     assert p[0] == pytest.approx((900 + 6) / 1010)
     assert p[1] == pytest.approx((400 + 10 * p[0]) / 1010)  # shrunk towards depth 0's
@@ -106,6 +108,13 @@ def test_estimates_shrink_towards_the_pool():
     # one request that always rejects at depth 0 pulls its own estimate down, not the pool's
     seq.spec.source_depth["d"] = ([0], [40])
     assert policy.depth_probs(seq, "d", 1)[0] < 0.2 < p[0]
+    # rows sampled at another temperature do not read greedy rows' estimates
+    hot = Sequence(1, "1", [1], SamplingParams(temperature=0.8), seed=0, domain="code")
+    assert seq.params.temperature != 0.8
+    assert policy.depth_probs(hot, "d", 1) == pytest.approx([0.6])
+    policy.record(hot, "d", 2, 0)
+    assert ("d", 0.8) in policy.pooled
+    assert policy.pooled[greedy_pool] == ([900, 400], [1000, 1000])
 
 
 def test_noisy_timings_are_smoothed_into_lines_in_q_and_monotone_in_b():

@@ -115,8 +115,9 @@ class SpecPolicy:
         self.config = config
         self.max_model_len = max_model_len
         self.costs: StepCosts | None = None        # set by the engine when adaptive_k
-        # source, or (source, domain) -> (accepted, judged) per depth
-        self.pooled: dict[str | tuple, tuple[list[int], list[int]]] = {}
+        # (source, temperature) or (source, temperature, domain) -> (accepted, judged) per
+        # depth (_pool_keys)
+        self.pooled: dict[tuple, tuple[list[int], list[int]]] = {}
         # speculating? -> averages over its recent measured steps of [predicted tokens,
         # predicted seconds, tokens, seconds]; steps observed
         self.measured: dict[bool, list[float]] = {}
@@ -162,12 +163,14 @@ class SpecPolicy:
     def record(self, seq: Sequence, source: str | None, num_drafted: int,
                num_accepted: int) -> None:
         """Count a round's per-depth outcome in the request's own estimates for its source
-        (on its SpecState) and in the source's pooled ones (overall and for the domain)."""
+        (on its SpecState) and in the source's pooled ones (overall and for the domain, at
+        the request's temperature)."""
         if not num_drafted or source is None:
             return
         own = seq.spec.source_depth.setdefault(source, ([], []))
-        for acc, judged in (own, self.pooled.setdefault(source, ([], [])),
-                            self.pooled.setdefault((source, seq.domain), ([], []))):
+        src, dom = self._pool_keys(seq, source)
+        for acc, judged in (own, self.pooled.setdefault(src, ([], [])),
+                            self.pooled.setdefault(dom, ([], []))):
             while len(judged) < num_drafted:
                 acc.append(0)
                 judged.append(0)
@@ -175,14 +178,24 @@ class SpecPolicy:
                 judged[d] += 1
                 acc[d] += d < num_accepted
 
+    @staticmethod
+    def _pool_keys(seq: Sequence, source: str) -> tuple[tuple, tuple]:
+        """Keys of the source's pooled estimates that seq counts in and reads: over all
+        domains and for seq's domain, both at seq's temperature (to 0.1; acceptance falls
+        steeply with it, so rows sampled at another temperature say little)."""
+        t = round(seq.params.temperature, 1)
+        return (source, t), (source, t, seq.domain)
+
     def depth_probs(self, seq: Sequence, source: str, n: int) -> list[float]:
         """Estimated probability that seq's draft at depth d (d < n) from `source` is accepted
         given that every draft before it was: the request's own counts at that depth, shrunk
-        towards the source's pooled estimate for the request's domain, itself shrunk towards
+        towards the source's pooled estimate for the request's domain (at its temperature,
+        as all pooled estimates), itself shrunk towards
         the source's estimate over all domains, shrunk towards the estimate one depth
         shallower (PRIOR_P at depth 0). Estimates are capped at 0.98 (no slot is certain)."""
-        src = self.pooled.get(source, ((), ()))
-        dom = self.pooled.get((source, seq.domain), ((), ()))
+        src_key, dom_key = self._pool_keys(seq, source)
+        src = self.pooled.get(src_key, ((), ()))
+        dom = self.pooled.get(dom_key, ((), ()))
         own = seq.spec.source_depth.get(source, ((), ()))
         out, parent = [], PRIOR_P
         for d in range(n):
