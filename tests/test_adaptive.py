@@ -212,3 +212,20 @@ def test_a_speculating_step_after_plain_ones_is_not_measured():
     assert [c[0] for c in chosen[EXPLORE - 1:]] == [True] * (TRY_STEPS + 1) + [False]
     assert chosen[EXPLORE - 1][1] is None                 # the first: not measured
     assert all(c[1][0] and c[1][2] for c in chosen[EXPLORE:EXPLORE + TRY_STEPS])
+
+
+def test_a_try_of_speculation_drafts_only_for_rows_whose_drafts_are_not_far_behind():
+    """While plain leads, a model draft has not seen its rows' latest tokens: a try drafts
+    for the rows least behind, within CATCH_UP_PER_ROW tokens per row in all, not for a row
+    whose draft would first have to read a thousand tokens."""
+    from batchspec.spec.policy import EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    for seq in seqs[2:]:
+        seq.prompt_token_ids = seq.token_ids = [1] * 1000   # 1000 tokens the draft lacks
+    set_slowdowns(policy, 3.0, 1.0)     # speculation on two rows: close behind plain
+    policy._winner = False              # plain leads
+    picks = [policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+             for _ in range(EXPLORE)]
+    assert picks[:EXPLORE - 1] == [[0] * 4] * (EXPLORE - 1)
+    assert picks[-1][:2] == [4, 4] and picks[-1][2:] == [0, 0]

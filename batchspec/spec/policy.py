@@ -28,6 +28,9 @@ MAX_P = 0.98
 # TRY_STEPS measured steps (one step's time is noisy on a shared machine); one of
 # speculation runs one more first, unmeasured (see choose_lengths).
 EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.8, 3
+# While plain leads, a try of speculation drafts only for rows whose drafts are least behind,
+# up to this many catch-up tokens per batch row in all (see SpecPolicy._behind).
+CATCH_UP_PER_ROW = 4
 
 
 @dataclass
@@ -256,7 +259,10 @@ class SpecPolicy:
             self._chosen = (False, num_rows, plain_s, False)
             return [0] * len(rows)
         survive, depth, row = [], [], []
+        skip = self._behind(rows, num_rows) if self._winner is False else set()
         for i, (seq, source, n, _) in enumerate(rows):
+            if i in skip:
+                continue
             sp = 1.0
             for d, p in enumerate(self.depth_probs(seq, source, n)):
                 sp *= p
@@ -319,6 +325,22 @@ class SpecPolicy:
         self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
             else (False, num_rows, plain_s, tried)
         return lengths
+
+    @staticmethod
+    def _behind(rows: list[tuple[Sequence, str, int, bool]], num_rows: int) -> set[int]:
+        """While plain leads, the rows a try of speculation leaves out: a model draft must
+        first catch up on every token of its row it has not seen (the whole history of a
+        long plain stretch, at 64 rows tens of thousands of tokens), so a try drafts only
+        for the rows least behind, up to CATCH_UP_PER_ROW tokens per batch row in all."""
+        lag = sorted((len(seq) - seq.spec.num_draft_computed, i)
+                     for i, (seq, _, _, is_model) in enumerate(rows) if is_model)
+        budget, behind = CATCH_UP_PER_ROW * num_rows, set()
+        for tokens, i in lag:
+            if tokens <= budget:
+                budget -= tokens
+            else:
+                behind.add(i)
+        return behind
 
     def _slowdown(self, speculate: bool) -> float:
         """Predicted / measured tokens per second of recent steps of this side (plain or
