@@ -229,3 +229,19 @@ def test_a_try_of_speculation_drafts_only_for_rows_whose_drafts_are_not_far_behi
              for _ in range(EXPLORE)]
     assert picks[:EXPLORE - 1] == [[0] * 4] * (EXPLORE - 1)
     assert picks[-1][:2] == [4, 4] and picks[-1][2:] == [0, 0]
+
+
+def test_a_try_that_shows_the_other_side_ahead_hands_it_the_lead():
+    from batchspec.spec.policy import EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, 4.5, 1.0)     # plain leads, speculation close behind
+    picks = []
+    for _ in range(EXPLORE + 6):
+        lengths = policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+        picks.append(any(lengths))
+        if policy._chosen is not None and policy._chosen[0]:   # speculation delivers
+            _, tokens, seconds, _ = policy._chosen
+            policy.observe(seconds, tokens)
+    assert picks[:EXPLORE - 1] == [False] * (EXPLORE - 1)
+    assert all(picks[EXPLORE - 1:]) and policy._winner is True

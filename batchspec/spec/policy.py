@@ -297,8 +297,10 @@ class SpecPolicy:
             spec_tokens, spec_s = float(tokens[best]), float(seconds[best])
         spec_c, plain_c = spec_rate / self._slowdown(True), plain_rate / self._slowdown(False)
         speculate = spec_n > 0 and spec_c > plain_c
-        if speculate != self._winner:    # the other side leads now: explore it soon again
+        if speculate != self._winner:    # the other side leads now (a try, if one was on,
+            # has shown it): explore the side behind soon again
             self._winner, self._interval, self._since = speculate, EXPLORE, 0
+            self._try_left = 0
         self._since += 1
         # a side far behind is tried only every FAR_EXPLORE steps (each try of speculation
         # also costs the drafts' catch-up); one never measured is not known to be
