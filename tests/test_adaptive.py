@@ -245,3 +245,19 @@ def test_a_try_that_shows_the_other_side_ahead_hands_it_the_lead():
             policy.observe(seconds, tokens)
     assert picks[:EXPLORE - 1] == [False] * (EXPLORE - 1)
     assert all(picks[EXPLORE - 1:]) and policy._winner is True
+
+
+@pytest.mark.parametrize("spec_slowdown,leads", [(4.0, False), (3.7, True)])
+def test_the_side_behind_takes_the_lead_only_when_clearly_ahead(spec_slowdown, leads):
+    """Plain leads; speculation's corrected rate is 2% above plain's (4.0) or 11% (3.7):
+    within SWITCH_MARGIN it stays behind (sides within noise of each other would trade the
+    lead, each switch costing the drafts' catch-up), beyond it takes the lead."""
+    from batchspec.spec.policy import EXPLORE, SWITCH_MARGIN
+    assert 1.02 < SWITCH_MARGIN < 1.11
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, spec_slowdown, 1.0)
+    policy._winner = False
+    for _ in range(EXPLORE):
+        policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+    assert policy._winner is leads

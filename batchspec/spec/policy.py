@@ -31,6 +31,9 @@ EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.8, 3
 # While plain leads, a try of speculation drafts only for rows whose drafts are least behind,
 # up to this many catch-up tokens per batch row in all (see SpecPolicy._behind).
 CATCH_UP_PER_ROW = 4
+# The side behind takes the lead only once its corrected rate beats the leader's by this
+# factor.
+SWITCH_MARGIN = 1.05
 
 
 @dataclass
@@ -296,7 +299,12 @@ class SpecPolicy:
             spec_n, spec_rate = best + 1, float(rates[best])
             spec_tokens, spec_s = float(tokens[best]), float(seconds[best])
         spec_c, plain_c = spec_rate / self._slowdown(True), plain_rate / self._slowdown(False)
-        speculate = spec_n > 0 and spec_c > plain_c
+        # the side behind takes the lead only when ahead by SWITCH_MARGIN: sides within
+        # noise of each other would otherwise trade it back and forth, and each switch to
+        # speculation costs the drafts' catch-up
+        margin = SWITCH_MARGIN if self._winner is not None else 1.0
+        speculate = spec_n > 0 and (spec_c > plain_c * margin if not self._winner
+                                    else spec_c * margin > plain_c)
         if speculate != self._winner:    # the other side leads now (a try, if one was on,
             # has shown it): explore the side behind soon again
             self._winner, self._interval, self._since = speculate, EXPLORE, 0
