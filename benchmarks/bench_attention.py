@@ -1,7 +1,8 @@
-"""CPU attention of short rows: the C++ paged kernel (kernels/paged_attention_cpu.cpp) against
-gather + SDPA (grouped matmuls in bf16), as the time of one whole forward of a demo model over
-B rows of q new tokens each at a context of --ctx tokens. The two paths take turns
-`--repeats` times within each shape; the fastest of each is reported.
+"""CPU attention of short rows: the C++ paged kernel (kernels/paged_attention_cpu.cpp; its
+AVX-512 path and its portable path) against gather + SDPA (grouped matmuls in bf16), as the
+time of one whole forward of a demo model over B rows of q new tokens each at a context of
+--ctx tokens. The three take turns `--repeats` times within each shape; the fastest of each
+is reported.
 
     python benchmarks/bench_attention.py --model target --ctx 160,700 --dtype bfloat16
 """
@@ -34,7 +35,8 @@ def main():
     runner = ModelRunner(demo_models()[args.model], "cpu", args.dtype)
     runner.allocate_kv_cache(8192, 16)
     kernel = load(False).paged_decode_attention
-    print(f"{args.model}, {args.dtype}, 1 thread: forward ms, kernel / gather + SDPA")
+    print(f"{args.model}, {args.dtype}, 1 thread: forward ms, kernel (AVX-512) / kernel "
+          "(portable) / gather + SDPA")
     for ctx in map(int, args.ctx.split(",")):
         for b in map(int, args.batch_sizes.split(",")):
             cells = []
@@ -44,15 +46,20 @@ def main():
                 call = ([[1] * q] * b, [ctx] * b, tables, [q] * b)
                 best = {}
                 for _ in range(args.repeats):
-                    for name, op in (("kernel", kernel), ("gather", False)):
+                    for name, op in (("kernel", kernel), ("portable", kernel),
+                                     ("gather", False)):
                         attention._cpu_op = op   # False: the gather + SDPA path
+                        if name == "portable":
+                            os.environ["BATCHSPEC_CPU_ATTENTION_PORTABLE"] = "1"
+                        else:
+                            os.environ.pop("BATCHSPEC_CPU_ATTENTION_PORTABLE", None)
                         runner.forward(*call)
                         t0 = time.perf_counter()
                         for _ in range(5):
                             runner.forward(*call)
                         best[name] = min(best.get(name, 1e9), (time.perf_counter() - t0) / 5)
-                cells.append(f"q={q} {best['kernel'] * 1e3:.1f} / {best['gather'] * 1e3:.1f} "
-                             f"({best['gather'] / best['kernel']:.2f}x)")
+                cells.append(f"q={q} {best['kernel'] * 1e3:.1f} / {best['portable'] * 1e3:.1f}"
+                             f" / {best['gather'] * 1e3:.1f}")
             print(f"ctx={ctx} B={b}: " + "  ".join(cells), flush=True)
 
 

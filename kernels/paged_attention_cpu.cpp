@@ -14,13 +14,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
 namespace {
 
-// Keys and values are read CHUNK at a time and converted to fp32 once: keys transposed
+// Two paths: on x86-64 CPUs with AVX-512 (most servers), explicit AVX-512 code below; on
+// others, this portable C++ one. Both compute in fp32 and differ only in the order of sums.
+//
+// Portable path: keys and values are read CHUNK at a time and converted to fp32 once: keys transposed
 // ([D][CHUNK]) so that a query's scores against the chunk are CHUNK-wide multiply-adds with
 // no horizontal sums, values as rows. Each query then folds the chunk into its running
 // softmax with one rescale per chunk. All inner loops are plain arithmetic over arrays, which
@@ -81,9 +86,13 @@ BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const i
   float* s = sc.data();
   for (int64_t p0 = 0; p0 < nkv; p0 += CHUNK) {
     const int64_t pn = std::min(CHUNK, nkv - p0);
+    int64_t blk = p0 / block_size, off = p0 % block_size, base = table[blk] * block_size;
     for (int64_t c = 0; c < pn; ++c) {
-      const int64_t p = p0 + c;
-      const int64_t slot = table[p / block_size] * block_size + p % block_size;
+      const int64_t slot = base + off;  // no division per key
+      if (++off == block_size) {
+        off = 0;
+        base = c + 1 < pn ? table[++blk] * block_size : 0;
+      }
       const T* kp = kc + (slot * Hkv + kvh) * D;
       const T* vp = vc + (slot * Hkv + kvh) * D;
       float* vd = vf.data() + c * D;
@@ -143,10 +152,213 @@ BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const i
     }
 }
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#define BS_HAVE_AVX512_PATH 1
+#include <immintrin.h>
+#define BS_AVX512 __attribute__((target("avx512f,avx512dq"), always_inline)) inline
+
+// The AVX-512 path: keys CHUNK at a time, each key row converted to fp32 once and dotted with
+// every query of the task (no transposed copy); a query's per-key partial sums are folded,
+// KEYS keys at a time, into vectors of scores by a transpose-and-add tree, and the chunk is
+// folded into the running softmax with one rescale. Scores, softmax and the
+// value sums are fp32, as in the portable path; only the order of additions differs.
+constexpr int64_t KEYS = 16;
+
+template <typename T>
+BS_AVX512 __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {  // bfloat16: the upper half of a float
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// out lane c = sum of the lanes of a[c], for c in 0..15
+BS_AVX512 __m512 transpose_sum16(const __m512* a) {
+  __m512 s8[8], s4[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    s8[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                          _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: partial sums of keys 4j .. 4j+3
+    s4[j] = _mm512_add_ps(_mm512_shuffle_ps(s8[2 * j], s8[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s8[2 * j], s8[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp_nonpositive, 16 lanes at a time (the same reduction and polynomial)
+BS_AVX512 __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// One (row, KV head) task; NV = D / 16 vectors per head row.
+template <typename T, int NV>
+__attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
+    const T* q, const T* kc, const T* vc, T* out, const int64_t* table, int64_t t0,
+    int64_t nq, int64_t nkv, int64_t kvh, int64_t Hq, int64_t Hkv, int64_t block_size,
+    float scale, std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& mx,
+    std::vector<float>& sum, std::vector<float>& kf, std::vector<float>& vf) {
+  constexpr int64_t D = NV * 16;
+  const int64_t G = Hq / Hkv;
+  const int64_t n = nq * G;  // query vectors, (j, g) order
+  qf.resize(n * D);
+  acc.assign(n * D, 0.f);
+  mx.assign(n, -std::numeric_limits<float>::infinity());
+  sum.assign(n, 0.f);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q + ((t0 + j) * Hq + kvh * G + g) * D;
+      for (int v = 0; v < NV; ++v)
+        _mm512_storeu_ps(qf.data() + (j * G + g) * D + v * 16,
+                         _mm512_mul_ps(load16(src + v * 16), vscale));
+    }
+  float* K = kf.data();
+  float* V = vf.data();
+  alignas(64) float w[CHUNK];
+  for (int64_t p0 = 0; p0 < nkv; p0 += CHUNK) {
+    const int64_t pn = std::min(CHUNK, nkv - p0);
+    const int64_t groups = (pn + KEYS - 1) / KEYS;
+    // slot of key p: its block's first slot plus its offset, no division per key
+    int64_t blk = p0 / block_size, off = p0 % block_size, base = table[blk] * block_size;
+    for (int64_t c = 0; c < groups * KEYS; ++c) {
+      if (c < pn) {
+        const int64_t slot = base + off;
+        if (++off == block_size) {
+          off = 0;
+          base = c + 1 < pn ? table[++blk] * block_size : 0;
+        }
+        const T* kp = kc + (slot * Hkv + kvh) * D;
+        const T* vp = vc + (slot * Hkv + kvh) * D;
+        for (int v = 0; v < NV; ++v) {
+          _mm512_storeu_ps(K + c * D + v * 16, load16(kp + v * 16));
+          _mm512_storeu_ps(V + c * D + v * 16, load16(vp + v * 16));
+        }
+      } else {
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(K + c * D + v * 16, _mm512_setzero_ps());
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      // causal: query j sees keys 0 .. nkv - nq + j
+      const int64_t seen = std::min(pn, nkv - nq + i / G + 1 - p0);
+      if (seen <= 0) continue;
+      const float* qi = qf.data() + i * D;
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qi + v * 16);
+      // scores of the chunk's keys, KEYS at a time; keys past `seen` weigh 0
+      __m512 sc[CHUNK / KEYS];
+      __mmask16 live[CHUNK / KEYS];
+      __m512 top = _mm512_set1_ps(mx[i]);
+      const int64_t ng = (seen + KEYS - 1) / KEYS;
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        __m512 part[KEYS];
+        const float* Kg = K + gi * KEYS * D;
+        for (int c = 0; c < KEYS; ++c) {
+          __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(Kg + c * D));
+          for (int v = 1; v < NV; ++v)
+            s = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(Kg + c * D + v * 16), s);
+          part[c] = s;
+        }
+        const int64_t left = std::min<int64_t>(KEYS, seen - gi * KEYS);
+        live[gi] = static_cast<__mmask16>((1u << left) - 1u);
+        sc[gi] = transpose_sum16(part);
+        top = _mm512_mask_max_ps(top, live[gi], top, sc[gi]);
+      }
+      const float m = _mm512_reduce_max_ps(top);
+      const __m512 vm = _mm512_set1_ps(m);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const __m512 e = _mm512_maskz_mov_ps(live[gi], exp16(_mm512_sub_ps(sc[gi], vm)));
+        total = _mm512_add_ps(total, e);
+        _mm512_store_ps(w + gi * KEYS, e);
+      }
+      const float rescale = mx[i] == -std::numeric_limits<float>::infinity()
+                                ? 0.f : exp_nonpositive(mx[i] - m);
+      sum[i] = sum[i] * rescale + _mm512_reduce_add_ps(total);
+      mx[i] = m;
+      float* a = acc.data() + i * D;
+      __m512 av[NV];
+      const __m512 vr = _mm512_set1_ps(rescale);
+      for (int v = 0; v < NV; ++v) av[v] = _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), vr);
+      for (int64_t c = 0; c < seen; ++c) {
+        const __m512 wc = _mm512_set1_ps(w[c]);
+        for (int v = 0; v < NV; ++v)
+          av[v] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(V + c * D + v * 16), av[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, av[v]);
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = j * G + g;
+      T* dst = out + ((t0 + j) * Hq + kvh * G + g) * D;
+      const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = acc[i * D + d] * inv;
+        if constexpr (std::is_same_v<T, float>) dst[d] = x;
+        else dst[d] = c10::BFloat16(x).x;  // round to nearest even, as torch does
+      }
+    }
+}
+
+// BATCHSPEC_CPU_ATTENTION_PORTABLE=1 takes the portable path (read on every call, so that
+// tests and benchmarks can compare the two in one process)
+bool avx512_usable() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return cpu && std::getenv("BATCHSPEC_CPU_ATTENTION_PORTABLE") == nullptr;
+}
+#endif
+
 template <typename T>
 void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
             int64_t width, const int64_t* rows, int64_t R, int64_t Hq, int64_t Hkv, int64_t D,
             int64_t block_size, float scale) {
+#ifdef BS_HAVE_AVX512_PATH
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    using Raw = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+    using Task = void (*)(const Raw*, const Raw*, const Raw*, Raw*, const int64_t*, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                          std::vector<float>&, std::vector<float>&, std::vector<float>&,
+                          std::vector<float>&, std::vector<float>&, std::vector<float>&);
+    Task task = nullptr;
+    if (avx512_usable()) {
+      if (D == 16) task = &attend_task_avx512<Raw, 1>;
+      if (D == 32) task = &attend_task_avx512<Raw, 2>;
+      if (D == 64) task = &attend_task_avx512<Raw, 4>;
+      if (D == 128) task = &attend_task_avx512<Raw, 8>;
+    }
+    if (task != nullptr) {
+      const Raw* rq = reinterpret_cast<const Raw*>(q);
+      const Raw* rk = reinterpret_cast<const Raw*>(kc);
+      const Raw* rv = reinterpret_cast<const Raw*>(vc);
+      Raw* ro = reinterpret_cast<Raw*>(out);
+      at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qf, acc, mx, sum, kf(CHUNK * D), vf(CHUNK * D);
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t r = t / Hkv, kvh = t % Hkv;
+          task(rq, rk, rv, ro, tables + r * width, rows[3 * r], rows[3 * r + 1],
+               rows[3 * r + 2], kvh, Hq, Hkv, block_size, scale, qf, acc, mx, sum, kf, vf);
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, mx, sum, kt(CHUNK * D, 0.f), vf(CHUNK * D), sc(CHUNK);
     for (int64_t task = begin; task < end; ++task) {

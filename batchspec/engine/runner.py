@@ -45,7 +45,8 @@ class ModelRunner:
         qlens = [len(t) for t in token_rows]
         flat = [t for row in token_rows for t in row]
         input_ids = torch.tensor(flat, dtype=torch.long)
-        positions = torch.cat([torch.arange(n, n + q) for n, q in zip(num_computed, qlens)])
+        positions = torch.tensor([p for n, q in zip(num_computed, qlens) for p in range(n, n + q)],
+                                 dtype=torch.long)
         meta = build_metadata(list(zip(num_computed, qlens)), block_tables, self.block_size,
                               self.device, self.model.cfg.sliding_window,
                               self.attention_backend)

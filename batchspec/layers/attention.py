@@ -122,9 +122,6 @@ def _short_rows_metadata(rows, block_tables, block_size, device):
     slots = [t[p // block_size] * block_size + p % block_size
              for (n, q), t in zip(rows, block_tables) for p in range(n, n + q)]
     blocks = [t[:nblk] + [0] * (nblk - min(len(t), nblk)) for t in block_tables]
-    qpos = torch.tensor([[n + j if j < q else -1 for j in range(maxq)] for n, q in rows])
-    kpos = torch.arange(nblk * block_size)[None, None, :]
-    mask = kpos <= qpos[:, :, None]                                   # [B, maxq, maxctx]
     whole = all(q == maxq for _, q in rows)   # no padding: the flat batch is [B, maxq]
     firsts, start = [], 0
     for _, q in rows:
@@ -136,7 +133,6 @@ def _short_rows_metadata(rows, block_tables, block_size, device):
         dec_shape=(len(rows), maxq, nblk * block_size), dec_is_whole_batch=whole,
         dec_rows=[[f, q, n + q] for f, (n, q) in zip(firsts, rows)])
     if not whole:
-        mask |= (qpos < 0)[:, :, None] & (kpos == 0)  # padded query rows attend somewhere
         starts, tok, valid = 0, [], []
         for _, q in rows:
             tok += [starts + j for j in range(q)] + [0] * (maxq - q)
@@ -146,6 +142,13 @@ def _short_rows_metadata(rows, block_tables, block_size, device):
         meta.dec_valid = torch.tensor(valid).to(device)
     else:
         meta.dec_token_idx = torch.empty(0, dtype=torch.long)
+    if torch.device(device).type == "cpu" and _load_cpu_op():
+        return meta   # the C++ kernel masks by position itself
+    qpos = torch.tensor([[n + j if j < q else -1 for j in range(maxq)] for n, q in rows])
+    kpos = torch.arange(nblk * block_size)[None, None, :]
+    mask = kpos <= qpos[:, :, None]                                   # [B, maxq, maxctx]
+    if not whole:
+        mask |= (qpos < 0)[:, :, None] & (kpos == 0)  # padded query rows attend somewhere
     meta.dec_mask = mask[:, None].to(device)
     return meta
 
@@ -217,9 +220,16 @@ def _cpu_kernel(q, meta):
     measured as fast as gather + SDPA at batch size 1 and up to 4x faster at larger batches
     and contexts, for decodes and verification windows alike (docs/benchmarks.md). None:
     gather + SDPA (no compiler; BATCHSPEC_CPU_ATTENTION=sdpa)."""
-    global _cpu_op
-    if q.device.type != "cpu" or meta.dec_rows is None:
+    if q.device.type != "cpu" or meta.dec_rows is None or not _load_cpu_op():
         return None
+    if isinstance(meta.dec_rows, list):  # once per forward, for all layers
+        meta.dec_rows = torch.tensor(meta.dec_rows, dtype=torch.long)
+    return _cpu_op
+
+
+def _load_cpu_op():
+    """The kernel's op, built on first use; False where it cannot be (gather + SDPA then)."""
+    global _cpu_op
     if _cpu_op is None:
         _cpu_op = False
         if os.environ.get("BATCHSPEC_CPU_ATTENTION", "kernel") != "sdpa":
@@ -228,9 +238,7 @@ def _cpu_kernel(q, meta):
                 _cpu_op = load(False).paged_decode_attention
             except Exception as e:  # noqa: BLE001 - no compiler: gather + SDPA
                 log.warning("CPU paged attention kernel unavailable (%s); using SDPA", e)
-    if _cpu_op and isinstance(meta.dec_rows, list):  # once per forward, for all layers
-        meta.dec_rows = torch.tensor(meta.dec_rows, dtype=torch.long)
-    return _cpu_op or None
+    return _cpu_op
 
 
 def _grouped_attention(q, k, v, mask, scale):
