@@ -128,6 +128,12 @@ BS_HD RowFilter row_filter(const T* row, int V, float inv_t, int top_k, float to
 // bounds below keep a margin over rounding, so the winner is the same as without skipping.
 constexpr float kMaxGumbel = 17.f, kMaxInvExp = 1.7e7f;
 
+// A token whose score needs u > exp(-y) to beat the best cannot win when u < 1 - y (as
+// exp(-y) >= 1 - y): that test costs one exp or division instead of two logs. y is raised
+// by a relative margin (1e-4, and for Gumbel scores an absolute 1e-3 + 1e-5 |score|) that
+// covers the rounding of exp, log and the score, and 1 - y is lowered by 1e-6 for its own.
+BS_HD bool cannot_win(float u, float y) { return u < 1.f - y * 1.0001f - 1e-6f; }
+
 template <typename T>
 BS_HD int row_argmax(const T* row, int V, const Group& g) {   // greedy; ties -> lowest index
   ArgMax best{-INFINITY, -1};
@@ -138,13 +144,26 @@ BS_HD int row_argmax(const T* row, int V, const Group& g) {   // greedy; ties ->
 template <typename T>   // bonus: Gumbel-max over the kept tokens of softmax(z)
 BS_HD int draw_bonus(const T* row, int V, float inv_t, float thresh, TokenUniforms u, const Group& g) {
   ArgMax best{-INFINITY, -1};
-  for_each(row, V, g, [&](int i, float x) {
+  const auto visit = [&](int i, float x) {
     const float z = x * inv_t;
     if (z < thresh || z == -INFINITY) return;
-    if (best.i >= 0 && z + kMaxGumbel < best.v) return;   // cannot win: skip its RNG and logs
-    const float score = z - logf(-logf(u(i)));
-    if (best.i < 0 || score > best.v) best = ArgMax{score, i};
-  });
+    float ui = 0.f;
+    if (best.i >= 0) {
+      if (z + kMaxGumbel < best.v) return;   // cannot win: skip its RNG and logs
+      // z - log(-log u) > best needs -log u < e^(z - best), i.e. u > exp(-e^(z - best))
+      ui = u(i);
+      if (cannot_win(ui, expf(z - best.v + 1e-3f + 1e-5f * (fabsf(best.v) + fabsf(z))))) return;
+    } else {
+      ui = u(i);
+    }
+    const float score = z - logf(-logf(ui));
+    best = argmax_op(best, ArgMax{score, i});
+  };
+  // The most likely token first: its score makes most others' bounds fail at once. (The
+  // order does not change the winner: argmax_op breaks ties by the lower index.)
+  const int top = row_argmax(row, V, g);
+  if (top >= 0 && (g.tid == 0)) visit(top, to_float(row[top]));
+  for_each(row, V, g, visit);
   return group_argmax(best, g).i;
 }
 
@@ -156,8 +175,11 @@ BS_HD int draw_residual(const T* row, int V, float inv_t, const RowFilter& f, co
     const float q = q_row ? q_row[i] : (i == draft ? 1.f : 0.f);
     const float w = prob(f, x * inv_t) - q;
     if (!(w > 0.f) || (best.i >= 0 && w * kMaxInvExp < best.v)) return;   // cannot win
-    const float score = w / -logf(u(i));
-    if (best.i < 0 || score > best.v) best = ArgMax{score, i};
+    const float ui = u(i);
+    // w / -log u > best needs -log u < w / best, i.e. u > exp(-w / best)
+    if (best.i >= 0 && cannot_win(ui, w / best.v)) return;
+    const float score = w / -logf(ui);
+    best = argmax_op(best, ArgMax{score, i});
   });
   return group_argmax(best, g).i;
 }
