@@ -231,6 +231,20 @@ def test_a_try_of_speculation_drafts_only_for_rows_whose_drafts_are_not_far_behi
     assert picks[-1][:2] == [4, 4] and picks[-1][2:] == [0, 0]
 
 
+def test_a_try_at_one_row_drafts_for_it_however_far_behind():
+    """At batch size 1 the only row's draft is always further behind than the catch-up
+    budget after plain steps; a try still drafts for it (the row least behind always may),
+    else speculation, once behind, would never be measured again."""
+    from batchspec.spec.policy import EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    (seq,) = rows_with(policy, 1, "d", 0.9)
+    seq.prompt_token_ids = seq.token_ids = [1] * 1000
+    set_slowdowns(policy, 3.0, 1.0)
+    policy._winner = False
+    picks = [policy.choose_lengths([(seq, "d", 4, True)], 0) for _ in range(EXPLORE)]
+    assert picks[:EXPLORE - 1] == [[0]] * (EXPLORE - 1) and picks[-1] == [4]
+
+
 def test_a_try_that_shows_the_other_side_ahead_hands_it_the_lead():
     from batchspec.spec.policy import EXPLORE
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})

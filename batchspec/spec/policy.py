@@ -341,12 +341,14 @@ class SpecPolicy:
         """While plain leads, the rows a try of speculation leaves out: a model draft must
         first catch up on every token of its row it has not seen (the whole history of a
         long plain stretch, at 64 rows tens of thousands of tokens), so a try drafts only
-        for the rows least behind, up to CATCH_UP_PER_ROW tokens per batch row in all."""
+        for the rows least behind, up to CATCH_UP_PER_ROW tokens per batch row in all. The
+        row least behind is always drafted for: at small batches every row is further behind
+        than the budget, and a try that drafts for no row would never be made."""
         lag = sorted((len(seq) - seq.spec.num_draft_computed, i)
                      for i, (seq, _, _, is_model) in enumerate(rows) if is_model)
         budget, behind = CATCH_UP_PER_ROW * num_rows, set()
-        for tokens, i in lag:
-            if tokens <= budget:
+        for j, (tokens, i) in enumerate(lag):
+            if tokens <= budget or j == 0:
                 budget -= tokens
             else:
                 behind.add(i)
