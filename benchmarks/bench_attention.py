@@ -1,10 +1,16 @@
-"""CPU attention of short rows: the C++ paged kernel (kernels/paged_attention_cpu.cpp; its
-AVX-512 path and its portable path) against gather + SDPA (grouped matmuls in bf16), as the
-time of one whole forward of a demo model over B rows of q new tokens each at a context of
---ctx tokens. The three take turns `--repeats` times within each shape; the fastest of each
-is reported.
+"""CPU forward paths, side by side: the time of one whole forward of a demo model over B rows
+of q new tokens each at a context of --ctx tokens, through each path of one choice. The paths
+take turns `--repeats` times within each shape, in one process; the fastest of each is
+reported.
 
-    python benchmarks/bench_attention.py --model target --ctx 160,700 --dtype bfloat16
+--compare attention (default): attention of short rows through the C++ paged kernel
+(kernels/paged_attention_cpu.cpp) by its AVX-512 path and by its portable path, and through
+gather + SDPA (grouped matmuls in bf16).
+--compare rmsnorm: the fused C++ RMSNorm (kernels/fused_cpu.cpp, residual add included)
+against the torch ops it replaces.
+
+    python benchmarks/bench_attention.py --model target --ctx 160,700
+    python benchmarks/bench_attention.py --compare rmsnorm --model target,draft --ctx 160 --q 1,5
 """
 from __future__ import annotations
 
@@ -22,9 +28,37 @@ from batchspec.layers import attention  # noqa: E402
 from batchspec.spec._build import load  # noqa: E402
 
 
+def attention_paths(runner):
+    kernel = load(False).paged_decode_attention
+
+    def use(op, portable):
+        def setup():
+            attention._cpu_op = op   # False: the gather + SDPA path
+            if portable:
+                os.environ["BATCHSPEC_CPU_ATTENTION_PORTABLE"] = "1"
+            else:
+                os.environ.pop("BATCHSPEC_CPU_ATTENTION_PORTABLE", None)
+        return setup
+    return {"AVX-512 kernel": use(kernel, False), "portable kernel": use(kernel, True),
+            "gather + SDPA": use(False, False)}
+
+
+def rmsnorm_paths(runner):
+    fused = runner.model.fused
+    if fused is None:
+        sys.exit("the fused op is unavailable here (no compiler, or BATCHSPEC_CPU_FUSED=0)")
+
+    def use(ops):
+        def setup():
+            runner.model.fused = ops
+        return setup
+    return {"fused RMSNorm": use(fused), "torch RMSNorm": use(None)}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="target", help="demo model: target, draft, ...")
+    ap.add_argument("--compare", choices=["attention", "rmsnorm"], default="attention")
+    ap.add_argument("--model", default="target", help="demo models, comma-separated")
     ap.add_argument("--ctx", default="160,700")
     ap.add_argument("--batch-sizes", default="1,8,32,64")
     ap.add_argument("--q", default="1,2,3,5", help="new tokens per row (5: k = 4 verified)")
@@ -32,35 +66,30 @@ def main():
     ap.add_argument("--repeats", type=int, default=6)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    runner = ModelRunner(demo_models()[args.model], "cpu", args.dtype)
-    runner.allocate_kv_cache(8192, 16)
-    kernel = load(False).paged_decode_attention
-    print(f"{args.model}, {args.dtype}, 1 thread: forward ms, kernel (AVX-512) / kernel "
-          "(portable) / gather + SDPA")
-    for ctx in map(int, args.ctx.split(",")):
-        for b in map(int, args.batch_sizes.split(",")):
-            cells = []
-            for q in map(int, args.q.split(",")):
-                per_row = -(-(ctx + q) // 16)
-                tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
-                call = ([[1] * q] * b, [ctx] * b, tables, [q] * b)
-                best = {}
-                for _ in range(args.repeats):
-                    for name, op in (("kernel", kernel), ("portable", kernel),
-                                     ("gather", False)):
-                        attention._cpu_op = op   # False: the gather + SDPA path
-                        if name == "portable":
-                            os.environ["BATCHSPEC_CPU_ATTENTION_PORTABLE"] = "1"
-                        else:
-                            os.environ.pop("BATCHSPEC_CPU_ATTENTION_PORTABLE", None)
-                        runner.forward(*call)
-                        t0 = time.perf_counter()
-                        for _ in range(5):
+    for name in args.model.split(","):
+        runner = ModelRunner(demo_models()[name], "cpu", args.dtype)
+        runner.allocate_kv_cache(8192, 16)
+        paths = {"attention": attention_paths, "rmsnorm": rmsnorm_paths}[args.compare](runner)
+        print(f"{name}, {args.dtype}, 1 thread: forward ms, " + " / ".join(paths))
+        for ctx in map(int, args.ctx.split(",")):
+            for b in map(int, args.batch_sizes.split(",")):
+                cells = []
+                for q in map(int, args.q.split(",")):
+                    per_row = -(-(ctx + q) // 16)
+                    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
+                    call = ([[1] * q] * b, [ctx] * b, tables, [q] * b)
+                    best = {}
+                    for _ in range(args.repeats):
+                        for path, setup in paths.items():
+                            setup()
                             runner.forward(*call)
-                        best[name] = min(best.get(name, 1e9), (time.perf_counter() - t0) / 5)
-                cells.append(f"q={q} {best['kernel'] * 1e3:.1f} / {best['portable'] * 1e3:.1f}"
-                             f" / {best['gather'] * 1e3:.1f}")
-            print(f"ctx={ctx} B={b}: " + "  ".join(cells), flush=True)
+                            t0 = time.perf_counter()
+                            for _ in range(5):
+                                runner.forward(*call)
+                            best[path] = min(best.get(path, 1e9),
+                                             (time.perf_counter() - t0) / 5)
+                    cells.append(f"q={q} " + " / ".join(f"{best[p] * 1e3:.1f}" for p in paths))
+                print(f"ctx={ctx} B={b}: " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

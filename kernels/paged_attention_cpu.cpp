@@ -20,6 +20,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_clones.h"
+
 namespace {
 
 // Two paths: on x86-64 CPUs with AVX-512 (most servers), explicit AVX-512 code below; on
@@ -53,14 +55,6 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
-
-// Built for several instruction sets where the compiler can (GCC on x86-64), the best one
-// chosen when the library loads: one build runs on any x86-64 machine.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define BS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define BS_CLONES
-#endif
 
 template <typename T>
 BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const int64_t* table,

@@ -247,3 +247,35 @@ def test_cpu_paged_attention_kernel_equals_direct_attention(portable, monkeypatc
                 for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
                     err = paged_attention_error(D, Hq, Hkv, bs, dt)
                     assert err <= tol, (D, Hq, Hkv, bs, dt, err)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_rms_norm_gives_the_torch_ops_result(arch_model, dtype):
+    """The C++ RMSNorm (kernels/fused_cpu.cpp, the residual add folded in) keeps the torch
+    expression's roundings: the same logits as the torch ops (bit for bit in bf16, within
+    fp32 summation order otherwise), on ragged rows of a prefilled cache."""
+    from batchspec.models.llama import fused_ops, rms_norm
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    ops = fused_ops(getattr(torch, dtype), torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=g).to(getattr(torch, dtype))
+    res = torch.randn(37, 96, generator=g).to(x.dtype)
+    w = (torch.randn(96, generator=g) * 0.3 + 1).to(x.dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=0, rtol=0)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), **tol)
+    h = x.clone()
+    y = ops.add_rms_norm_(h, res, w, 1e-6)
+    assert torch.equal(h, x + res)
+    torch.testing.assert_close(y, rms_norm(x + res, w, 1e-6), **tol)
+    runner, prompts, seqs = prefilled(arch_model, dtype, (9, 23, 14))
+    rows = [[5, 6, 7], [8], [9, 10]]
+    args = (rows, [len(p) for p in prompts], [s.block_table for s in seqs], [len(r) for r in rows])
+    uses_fused = runner.model.fused is not None and not runner.model.cfg.qk_norm
+    fused = runner.forward(*args)
+    runner.model.fused = None
+    plain = runner.forward(*args)
+    assert uses_fused or runner.model.cfg.qk_norm
+    tol = dict(atol=1e-4, rtol=0) if dtype == "float32" else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(fused, plain, **tol)
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))

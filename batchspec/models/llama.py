@@ -56,6 +56,21 @@ def _prepack_works(dtype: torch.dtype) -> bool:
         return False
 
 
+def fused_ops(dtype: torch.dtype, device: torch.device):
+    """The C++ RMSNorm of a layer on CPU (kernels/fused_cpu.cpp), with the residual add
+    before it, or None: other devices and dtypes, no compiler, or BATCHSPEC_CPU_FUSED=0. It
+    does in one pass what is 8-9 torch ops below, with the same roundings."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or \
+            os.environ.get("BATCHSPEC_CPU_FUSED", "1") == "0":
+        return None
+    try:
+        from batchspec.spec._build import load
+        return load(False)
+    except Exception as e:  # noqa: BLE001 - no compiler: the torch ops
+        log.warning("fused CPU layer ops unavailable (%s); using torch ops", e)
+        return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
@@ -153,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)   # [max_pos, D]
         self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.fused = fused_ops(dtype, device)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -167,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_backend: str = "torch", block_size: int = 16) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (after the final norm)."""
+        if self.fused is not None and not self.cfg.qk_norm:
+            return self._forward_fused(input_ids, positions, meta, kv_caches, attn_backend,
+                                       block_size)
         cfg = self.cfg
         T = input_ids.shape[0]
         h = self.embed_tokens(input_ids)                             # [T, hidden]
@@ -195,6 +214,34 @@ class LlamaForCausalLM(nn.Module):
             gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
             h = h + self.tp.all_reduce(linear(F.silu(gate) * up, layer["down"]))
         return rms_norm(h, self.final_norm, eps)
+
+    def _forward_fused(self, input_ids, positions, meta, kv_caches, attn_backend, block_size):
+        """forward with the C++ RMSNorm: the same steps, each residual add folded into the
+        RMSNorm after it."""
+        cfg, ops, eps = self.cfg, self.fused, self.cfg.rms_norm_eps
+        T = input_ids.shape[0]
+        h = self.embed_tokens(input_ids).contiguous()                # [T, hidden]
+        cos = self.cos[positions].unsqueeze(1)                       # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        pending = None                                 # the MLP output not yet added to h
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = ops.rms_norm(h, layer["in_norm"], eps) if pending is None else \
+                ops.add_rms_norm_(h, pending, layer["in_norm"], eps)
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, cfg.head_dim)
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
+                T, self.num_heads + self.num_kv_heads, cfg.head_dim), cos, sin)
+            o = paged_attention(qk[:, :self.num_heads], qk[:, self.num_heads:], v, k_cache,
+                                v_cache, meta, self.scale, attn_backend, block_size,
+                                cfg.sliding_window)
+            o = self.tp.all_reduce(linear(o.reshape(T, self.q_size), layer["o"]))
+            if layer["o_bias"] is not None:
+                o = o + layer["o_bias"]
+            x = ops.add_rms_norm_(h, o.contiguous(), layer["post_norm"], eps)
+            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            pending = self.tp.all_reduce(linear(F.silu(gate) * up, layer["down"])).contiguous()
+        return ops.rms_norm(h, self.final_norm, eps) if pending is None else \
+            ops.add_rms_norm_(h, pending, self.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -2,7 +2,8 @@
 
 Two flavours of one bindings file (kernels/verify_ops.cpp):
   cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler),
-        plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp)
+        plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp) and
+        the fused elementwise ops of a layer (kernels/fused_cpu.cpp)
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
 directory per torch version and hash of the kernel sources, so checkouts with different
@@ -79,8 +80,12 @@ def _compile(cuda: bool) -> None:
         print(f"batchspec: building the {flavour.upper()} verification kernel (first run, "
               f"~15 s; cached in {build})...", file=sys.stderr, flush=True)
     sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else
-                                               [str(src / "paged_attention_cpu.cpp")])
-    cflags = ["-O3", f"-DBS_NS={NAMESPACE[cuda]}"] + (["-DBS_WITH_CUDA"] if cuda else [])
+                                               [str(src / "paged_attention_cpu.cpp"),
+                                                str(src / "fused_cpu.cpp")])
+    # -fno-trapping-math: no FP exception is ever observed, so loops with a division or a
+    # clamp vectorise; it changes no result
+    cflags = ["-O3", "-fno-trapping-math", f"-DBS_NS={NAMESPACE[cuda]}"] + \
+        (["-DBS_WITH_CUDA"] if cuda else [])
     # torch's own build lock is a file that a builder killed mid-build (kill -9, OOM) leaves
     # behind, and every later build would wait on it forever. Builders take an flock first
     # (the kernel drops it when its holder dies), so a torch lock found under it is stale.
