@@ -6,8 +6,8 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
         the fused elementwise ops of a layer (kernels/fused_cpu.cpp)
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
-directory per torch version and hash of the kernel sources, so checkouts with different
-sources never rebuild each other's builds. A first build says so on stderr (it takes ~15 s).
+directory per torch version and hash of the kernel sources and compiler flags, so checkouts
+with different sources never rebuild each other's builds. A first build says so on stderr (it takes ~15 s).
 `python -m batchspec.spec._build [--cuda]` builds ahead of time (e.g. in a Docker image).
 """
 from __future__ import annotations
@@ -73,19 +73,21 @@ def _compile(cuda: bool) -> None:
         raise RuntimeError("CUDA build needs a CUDA build of torch and nvcc (CUDA_HOME)")
     src = kernel_dir()
     flavour = "cuda" if cuda else "cpu"
+    sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else
+                                               [str(src / "paged_attention_cpu.cpp"),
+                                                str(src / "fused_cpu.cpp")])
+    # -fno-trapping-math: no FP exception is ever observed, so loops with a clamp (the
+    # portable attention path's exp) vectorise; it changes no result
+    cflags = ["-O3", "-fno-trapping-math", f"-DBS_NS={NAMESPACE[cuda]}"] + \
+        (["-DBS_WITH_CUDA"] if cuda else [])
+    # keyed by the sources and the flags: a build made with other flags is another build
+    flags = hashlib.sha256(" ".join(cflags).encode()).hexdigest()[:6]
     build = cache_dir() / re.sub(r"[^\w.]+", "_",
-                                 f"torch{torch.__version__}-{flavour}-{sources_hash()}")
+                                 f"torch{torch.__version__}-{flavour}-{sources_hash()}-{flags}")
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print(f"batchspec: building the {flavour.upper()} verification kernel (first run, "
               f"~15 s; cached in {build})...", file=sys.stderr, flush=True)
-    sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else
-                                               [str(src / "paged_attention_cpu.cpp"),
-                                                str(src / "fused_cpu.cpp")])
-    # -fno-trapping-math: no FP exception is ever observed, so loops with a division or a
-    # clamp vectorise; it changes no result
-    cflags = ["-O3", "-fno-trapping-math", f"-DBS_NS={NAMESPACE[cuda]}"] + \
-        (["-DBS_WITH_CUDA"] if cuda else [])
     # torch's own build lock is a file that a builder killed mid-build (kill -9, OOM) leaves
     # behind, and every later build would wait on it forever. Builders take an flock first
     # (the kernel drops it when its holder dies), so a torch lock found under it is stale.
