@@ -2,6 +2,8 @@
 
     python benchmarks/bench_verify.py            # the table of docs/benchmarks.md
     python benchmarks/bench_verify.py --quick    # one shape
+    python benchmarks/bench_verify.py --draws    # plain draws (no drafts): the cpu twin's
+                                                 # vectorised bonus draw against its generic loop
 
 Every request drafts k tokens from a draft distribution close to the target's (acceptance
 around 0.6-0.8); both backends get the same inputs and must return the same tokens.
@@ -53,11 +55,37 @@ def time_ms(fn, repeat):
     return statistics.median(times)
 
 
+def compare_draws(repeat):
+    """Plain decoding's draw (no drafts, fp32 logits as the engine passes them) through the
+    cpu twin with its vectorised host draw and with the generic loop, in one process."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 logits, plain "
+          f"draws, median of {repeat}: cpu ms, vectorised host draw / generic loop")
+    for B, V in ((32, 4096), (64, 4096), (64, 32000)):
+        for T in (0.3, 0.8, 1.5):
+            inputs, _ = make_inputs(B, 0, V, "random", dtype=torch.float32)
+            inputs = (inputs[0] * 2,) + inputs[1:4] + (torch.full((B,), T),) + inputs[5:]
+            times = {}
+            for _ in range(2):
+                for name, env in (("host", "1"), ("generic", "0")):
+                    os.environ["BATCHSPEC_VERIFY_HOST_DRAW"] = env
+                    fn = partial(rejection_sample, *inputs, backend="cpu")
+                    times.setdefault(name, []).append(time_ms(fn, repeat))
+                    times.setdefault(name + "_out", fn()[0])
+            os.environ.pop("BATCHSPEC_VERIFY_HOST_DRAW")
+            assert torch.equal(times["host_out"], times["generic_out"]), "draws disagree"
+            host, generic = min(times["host"]), min(times["generic"])
+            print(f"B={B:>3} V={V:>6} T={T}: {host:.2f} / {generic:.2f} ms "
+                  f"({generic / host:.1f}x)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only B=64, k=4, V=32000, random")
+    ap.add_argument("--draws", action="store_true", help="compare the two plain-draw paths")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    if args.draws:
+        return compare_draws(args.repeat)
     shapes = [(64, 4, 32000, "random")]
     if not args.quick:
         shapes += [(64, 4, 32000, "greedy"), (64, 4, 32000, "top-p"), (64, 0, 32000, "random"),

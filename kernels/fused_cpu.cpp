@@ -18,7 +18,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "cpu_clones.h"
+#include "cpu_simd.h"
 
 namespace {
 

@@ -20,7 +20,7 @@
 #include <limits>
 #include <vector>
 
-#include "cpu_clones.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -35,26 +35,7 @@ namespace {
 constexpr int64_t CHUNK = 64;
 constexpr int LANES = 16;   // CHUNK is a multiple
 
-// exp(x) for x <= 0 (scores minus their running maximum): Cody-Waite reduction to
-// 2^n * e^r, |r| <= ln2/2, and a degree-6 polynomial for e^r (relative error ~2e-7, about
-// one float ulp). Branch-free, so a loop of it vectorises where std::exp would not.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below this e^x underflows; 2^n stays a normal float
-  // round to nearest by the 1.5 * 2^23 trick (plain adds, which vectorise everywhere)
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using bs::exp_nonpositive;
 
 template <typename T>
 BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const int64_t* table,

@@ -141,6 +141,12 @@ BS_HD int row_argmax(const T* row, int V, const Group& g) {   // greedy; ties ->
   return group_argmax(best, g).i;
 }
 
+}  // namespace bs
+#if !defined(__CUDACC__)
+#include "verify_host.h"   // the host's vectorised bonus draw
+#endif
+namespace bs {
+
 template <typename T>   // bonus: Gumbel-max over the kept tokens of softmax(z)
 BS_HD int draw_bonus(const T* row, int V, float inv_t, float thresh, TokenUniforms u, const Group& g) {
   ArgMax best{-INFINITY, -1};
@@ -162,6 +168,13 @@ BS_HD int draw_bonus(const T* row, int V, float inv_t, float thresh, TokenUnifor
   // The most likely token first: its score makes most others' bounds fail at once. (The
   // order does not change the winner: argmax_op breaks ties by the lower index.)
   const int top = row_argmax(row, V, g);
+#if !defined(__CUDACC__)
+  if (top >= 0 && host_draw_enabled()) {   // the host's vectorised path (verify_host.h), or
+                                            // -1: this loop
+    const int i = draw_bonus_host(row, V, inv_t, thresh, u, top);
+    if (i >= 0) return i;
+  }
+#endif
   if (top >= 0 && (g.tid == 0)) visit(top, to_float(row[top]));
   for_each(row, V, g, visit);
   return group_argmax(best, g).i;
