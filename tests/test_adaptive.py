@@ -245,6 +245,34 @@ def test_a_try_at_one_row_drafts_for_it_however_far_behind():
     assert picks[:EXPLORE - 1] == [[0]] * (EXPLORE - 1) and picks[-1] == [4]
 
 
+def test_each_mix_of_temperatures_keeps_its_own_measurements_and_lead():
+    """Speculation measured as losing at T = 0.8 does not make rows at T = 0 run plain, nor
+    the other way round: each mix of temperatures keeps its measurements and its lead, and
+    finds them again when it comes back (an engine serving one job after another)."""
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    greedy = rows_with(policy, 4, "d", 0.9)
+    sampled = rows_with(policy, 4, "d", 0.9)
+    for seq in sampled:
+        seq.params = SamplingParams(temperature=0.8)
+        src, dom = policy._pool_keys(seq, "d")
+        policy.pooled[src] = policy.pooled[dom] = ([900] * 4, [1000] * 4)
+
+    def run(seqs, steps, spec_speed):
+        picks = []
+        for _ in range(steps):
+            picks.append(any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)))
+            if policy._chosen is not None:
+                speculate, tokens, seconds, _ = policy._chosen
+                policy.observe(seconds, tokens * (spec_speed if speculate else 1.0))
+        return picks
+    run(sampled, 60, 1 / 6)                  # at T = 0.8 speculation loses: plain leads
+    assert policy._winner is False
+    assert sum(run(greedy, 20, 1.0)) >= 16   # T = 0 starts afresh and speculates (but for
+    #                                          a try of plain)
+    assert run(sampled, 5, 1 / 6) == [False] * 5 and policy._winner is False
+    assert sum(run(greedy, 5, 1.0)) >= 4 and policy._winner is True
+
+
 def test_a_try_that_shows_the_other_side_ahead_hands_it_the_lead():
     from batchspec.spec.policy import EXPLORE
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})

@@ -135,6 +135,10 @@ class SpecPolicy:
         # this step's (speculates, predicted tokens, predicted seconds, a try of the side
         # that does not lead)
         self._chosen: tuple[bool, float, float, bool] | None = None
+        # The measurements and the lead above are those of the batch's current mix of
+        # temperatures; each mix seen keeps its own (_use_mix).
+        self._mix: tuple | None = None
+        self._mixes: dict[tuple, tuple] = {}
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
@@ -251,6 +255,8 @@ class SpecPolicy:
         self._chosen = None
         if costs is None:
             return [n for _, _, n, _ in rows]
+        self._use_mix(tuple(sorted({round(seq.params.temperature, 1)
+                                    for seq, _, _, _ in rows})))
         num_rows = len(rows) + num_plain_rows
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
@@ -335,6 +341,26 @@ class SpecPolicy:
         self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
             else (False, num_rows, plain_s, tried)
         return lengths
+
+    def _use_mix(self, mix: tuple) -> None:
+        """Switch the measurements and the lead to those of this mix of temperatures (each
+        rounded to 0.1) among the rows that may speculate. What speculation measured at one
+        temperature says little at another: at T = 0 it may be near break-even where at
+        T = 0.8 it loses, and an engine that serves one job and then another (a worker, the
+        bench's cells) would otherwise speculate at a loss until its averages caught up."""
+        if mix == self._mix:
+            return
+        if self._mix is not None:
+            self._mixes[self._mix] = (self.measured, self.observed, self._winner,
+                                      self._interval, self._since)
+        elif self.measured:    # set before any step (tests): the first mix's
+            self._mix = mix
+            return
+        self._mix = mix
+        self.measured, self.observed, self._winner, self._interval, self._since = \
+            self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0))
+        self._try_left = 0
+        self._chosen = None
 
     @staticmethod
     def _behind(rows: list[tuple[Sequence, str, int, bool]], num_rows: int) -> set[int]:
