@@ -23,21 +23,9 @@ namespace bs {
 // could beat b0 (bonus_filter).
 BS_CLONES inline void bonus_uniforms(int V, uint64_t seed, uint64_t offset, uint32_t position,
                                      float* __restrict__ u) {
-  const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
-  const uint32_t c1 = position, c2 = uint32_t(offset);
-  const uint32_t c3 = uint32_t((offset >> 32) & 0xFFFFu) | (uint32_t(kStreamDraw) << 16);
-  const int calls = (V + 3) / 4;
-  for (int c = 0; c < calls; ++c) {   // Philox-4x32-10, as philox_keyed(.., index = c)
-    uint32_t x0 = uint32_t(c), x1 = c1, x2 = c2, x3 = c3, y0 = k0, y1 = k1;
-    for (int r = 0; r < 10; ++r) {
-      if (r) { y0 += 0x9E3779B9u; y1 += 0xBB67AE85u; }
-      const uint64_t p0 = uint64_t(0xD2511F53u) * x0, p1 = uint64_t(0xCD9E8D57u) * x2;
-      const uint32_t n0 = uint32_t(p1 >> 32) ^ x1 ^ y0, n2 = uint32_t(p0 >> 32) ^ x3 ^ y1;
-      x1 = uint32_t(p1); x3 = uint32_t(p0); x0 = n0; x2 = n2;
-    }
-    const uint32_t w[4] = {x0, x1, x2, x3};
-    for (int j = 0; j < 4; ++j)
-      u[4 * c + j] = float((w[j] >> 9) * 2u + 1u) * 5.9604644775390625e-8f;   // to_uniform
+  for (int c = 0; c < (V + 3) / 4; ++c) {   // as TokenUniforms: token i is call i / 4, word i % 4
+    const U4 r = philox_keyed(seed, offset, position, kStreamDraw, uint32_t(c));
+    for (int j = 0; j < 4; ++j) u[4 * c + j] = to_uniform(r.w[j]);
   }
 }
 
@@ -49,9 +37,9 @@ BS_CLONES void bonus_filter(const T* __restrict__ row, int V, float inv_t, float
     const float gap = z - b0 + 1e-3f + 1e-5f * (fabsf(b0) + fabsf(z));
     // e^gap, or 2 for a gap above 0 (which never fails cannot_win: its bound is below 0)
     const float y = exp_nonpositive(gap < 0.f ? gap : 0.f) * (gap < 0.f ? 1.f : 2.f);
-    // & rather than &&, and cannot_win's test written out: no branches in the loop
+    // & rather than &&: no branches in the loop
     cand[i] = int32_t((z >= thresh) & (z != -INFINITY) & !(z + kMaxGumbel < b0) &
-                      !(u[i] < 1.f - y * 1.0001f - 1e-6f));
+                      !cannot_win(u[i], y));
   }
 }
 

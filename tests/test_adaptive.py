@@ -271,6 +271,12 @@ def test_each_mix_of_temperatures_keeps_its_own_measurements_and_lead():
     #                                          a try of plain)
     assert run(sampled, 5, 1 / 6) == [False] * 5 and policy._winner is False
     assert sum(run(greedy, 5, 1.0)) >= 4 and policy._winner is True
+    from batchspec.spec.policy import MAX_MIXES
+    for i in range(MAX_MIXES + 10):           # many jobs' temperatures: a bounded state
+        sampled[0].params = SamplingParams(temperature=0.1 * (i % 20), top_k=i)
+        sampled[1].params = SamplingParams(temperature=0.1 * (i // 20))
+        run(sampled[:2], 1, 1.0)
+    assert len(policy._mixes) <= MAX_MIXES
 
 
 def test_a_try_that_shows_the_other_side_ahead_hands_it_the_lead():

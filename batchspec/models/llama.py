@@ -59,7 +59,8 @@ def _prepack_works(dtype: torch.dtype) -> bool:
 def fused_ops(dtype: torch.dtype, device: torch.device):
     """The C++ RMSNorm of a layer on CPU (kernels/fused_cpu.cpp), with the residual add
     before it, or None: other devices and dtypes, no compiler, or BATCHSPEC_CPU_FUSED=0. It
-    does in one pass what is 8-9 torch ops below, with the same roundings."""
+    does in one pass what is 8-9 torch ops below, with the same roundings (q/k norms, over
+    heads, stay torch ops)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or \
             os.environ.get("BATCHSPEC_CPU_FUSED", "1") == "0":
         return None
@@ -183,17 +184,15 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_backend: str = "torch", block_size: int = 16) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (after the final norm)."""
-        if self.fused is not None and not self.cfg.qk_norm:
-            return self._forward_fused(input_ids, positions, meta, kv_caches, attn_backend,
-                                       block_size)
         cfg = self.cfg
         T = input_ids.shape[0]
         h = self.embed_tokens(input_ids)                             # [T, hidden]
         cos = self.cos[positions].unsqueeze(1)                       # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         eps = cfg.rms_norm_eps
+        mlp_out = None                                   # the last MLP output, not yet in h
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer["in_norm"], eps)
+            h, x = self._add_norm(h, mlp_out, layer["in_norm"])
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, self.num_heads, cfg.head_dim)               # this rank's heads
@@ -209,39 +208,24 @@ class LlamaForCausalLM(nn.Module):
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, attn_backend,
                                 block_size, cfg.sliding_window)
             o = self.tp.all_reduce(linear(o.reshape(T, self.q_size), layer["o"]))
-            h = h + (o if layer["o_bias"] is None else o + layer["o_bias"])
-            x = rms_norm(h, layer["post_norm"], eps)
+            h, x = self._add_norm(h, o if layer["o_bias"] is None else o + layer["o_bias"],
+                                  layer["post_norm"])
             gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + self.tp.all_reduce(linear(F.silu(gate) * up, layer["down"]))
-        return rms_norm(h, self.final_norm, eps)
+            mlp_out = self.tp.all_reduce(linear(F.silu(gate) * up, layer["down"]))
+        return self._add_norm(h, mlp_out, self.final_norm)[1]
 
-    def _forward_fused(self, input_ids, positions, meta, kv_caches, attn_backend, block_size):
-        """forward with the C++ RMSNorm: the same steps, each residual add folded into the
-        RMSNorm after it."""
-        cfg, ops, eps = self.cfg, self.fused, self.cfg.rms_norm_eps
-        T = input_ids.shape[0]
-        h = self.embed_tokens(input_ids).contiguous()                # [T, hidden]
-        cos = self.cos[positions].unsqueeze(1)                       # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        pending = None                                 # the MLP output not yet added to h
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = ops.rms_norm(h, layer["in_norm"], eps) if pending is None else \
-                ops.add_rms_norm_(h, pending, layer["in_norm"], eps)
-            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
-            v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, cfg.head_dim)
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
-                T, self.num_heads + self.num_kv_heads, cfg.head_dim), cos, sin)
-            o = paged_attention(qk[:, :self.num_heads], qk[:, self.num_heads:], v, k_cache,
-                                v_cache, meta, self.scale, attn_backend, block_size,
-                                cfg.sliding_window)
-            o = self.tp.all_reduce(linear(o.reshape(T, self.q_size), layer["o"]))
-            if layer["o_bias"] is not None:
-                o = o + layer["o_bias"]
-            x = ops.add_rms_norm_(h, o.contiguous(), layer["post_norm"], eps)
-            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            pending = self.tp.all_reduce(linear(F.silu(gate) * up, layer["down"])).contiguous()
-        return ops.rms_norm(h, self.final_norm, eps) if pending is None else \
-            ops.add_rms_norm_(h, pending, self.final_norm, eps)
+    def _add_norm(self, h: torch.Tensor, residual: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + residual, its RMSNorm): on CPU one C++ pass that adds in place (self.fused),
+        else the torch ops, with the same roundings."""
+        eps = self.cfg.rms_norm_eps
+        if self.fused is None:
+            h = h if residual is None else h + residual
+            return h, rms_norm(h, weight, eps)
+        if residual is None:
+            return h, self.fused.rms_norm(h.contiguous(), weight, eps)
+        h = h.contiguous()                 # h is this forward's own tensor: added to in place
+        return h, self.fused.add_rms_norm_(h, residual.contiguous(), weight, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -3,11 +3,12 @@
 Two flavours of one bindings file (kernels/verify_ops.cpp):
   cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler),
         plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp) and
-        the fused elementwise ops of a layer (kernels/fused_cpu.cpp)
+        the fused RMSNorm of a layer (kernels/fused_cpu.cpp)
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
 directory per torch version and hash of the kernel sources and compiler flags, so checkouts
-with different sources never rebuild each other's builds. A first build says so on stderr (it takes ~15 s).
+with different sources never rebuild each other's builds. A first build says so on stderr
+(it takes ~15 s).
 `python -m batchspec.spec._build [--cuda]` builds ahead of time (e.g. in a Docker image).
 """
 from __future__ import annotations
@@ -76,8 +77,9 @@ def _compile(cuda: bool) -> None:
     sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else
                                                [str(src / "paged_attention_cpu.cpp"),
                                                 str(src / "fused_cpu.cpp")])
-    # -fno-trapping-math: no FP exception is ever observed, so loops with a clamp (the
-    # portable attention path's exp) vectorise; it changes no result
+    # -fno-trapping-math: no FP exception is ever observed, so loops with a clamp or a
+    # select (the portable attention path's exp, the host draw's filter) vectorise; it
+    # changes no result
     cflags = ["-O3", "-fno-trapping-math", f"-DBS_NS={NAMESPACE[cuda]}"] + \
         (["-DBS_WITH_CUDA"] if cuda else [])
     # keyed by the sources and the flags: a build made with other flags is another build

@@ -34,6 +34,9 @@ CATCH_UP_PER_ROW = 4
 # The side behind takes the lead only once its corrected rate beats the leader's by this
 # factor.
 SWITCH_MARGIN = 1.05
+# Mixes of temperatures whose measurements are kept besides the current one (_use_mix): a
+# worker serving jobs of many temperatures holds a bounded state.
+MAX_MIXES = 64
 
 
 @dataclass
@@ -116,6 +119,12 @@ class StepCosts:
         return self._at(self.draft[name], b) if b > 0 and name in self.draft else 0.0
 
 
+def temperature_bucket(seq: Sequence) -> float:
+    """The temperature that estimates and measurements are kept per: seq's, to 0.1
+    (acceptance falls steeply with it)."""
+    return round(seq.params.temperature, 1)
+
+
 class SpecPolicy:
     def __init__(self, config: EngineConfig, max_model_len: int):
         self.config = config
@@ -193,7 +202,7 @@ class SpecPolicy:
         """Keys of the source's pooled estimates that seq counts in and reads: over all
         domains and for seq's domain, both at seq's temperature (to 0.1; acceptance falls
         steeply with it, so rows sampled at another temperature say little)."""
-        t = round(seq.params.temperature, 1)
+        t = temperature_bucket(seq)
         return (source, t), (source, t, seq.domain)
 
     def depth_probs(self, seq: Sequence, source: str, n: int) -> list[float]:
@@ -255,8 +264,7 @@ class SpecPolicy:
         self._chosen = None
         if costs is None:
             return [n for _, _, n, _ in rows]
-        self._use_mix(tuple(sorted({round(seq.params.temperature, 1)
-                                    for seq, _, _, _ in rows})))
+        self._use_mix(tuple(sorted({temperature_bucket(seq) for seq, _, _, _ in rows})))
         num_rows = len(rows) + num_plain_rows
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
@@ -350,17 +358,16 @@ class SpecPolicy:
         bench's cells) would otherwise speculate at a loss until its averages caught up."""
         if mix == self._mix:
             return
-        if self._mix is not None:
+        if self._mix is not None:    # (the first mix seen takes the state as it is)
             self._mixes[self._mix] = (self.measured, self.observed, self._winner,
                                       self._interval, self._since)
-        elif self.measured:    # set before any step (tests): the first mix's
-            self._mix = mix
-            return
+            while len(self._mixes) > MAX_MIXES:          # the least recently left first
+                del self._mixes[next(iter(self._mixes))]
+            self.measured, self.observed, self._winner, self._interval, self._since = \
+                self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0))
+            self._try_left = 0
+            self._chosen = None
         self._mix = mix
-        self.measured, self.observed, self._winner, self._interval, self._since = \
-            self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0))
-        self._try_left = 0
-        self._chosen = None
 
     @staticmethod
     def _behind(rows: list[tuple[Sequence, str, int, bool]], num_rows: int) -> set[int]:
