@@ -11,6 +11,15 @@ from batchspec.spec.suffix import SuffixProposer, SuffixTrie
 from tests.test_spec import GREEDY, PROMPTS, assert_follows, check_record, exact_joint
 
 
+def native_trie(depth):
+    from batchspec.spec._build import cpu_module
+    return cpu_module().SuffixTrie(depth)
+
+
+# the Python trie and the C++ one (kernels/suffix_trie.cpp) behave the same
+TRIES = pytest.mark.parametrize("make_trie", [SuffixTrie, native_trie], ids=["python", "cpp"])
+
+
 def substring_counts(texts, depth):
     counts = {}
     for text in texts:
@@ -21,53 +30,100 @@ def substring_counts(texts, depth):
 
 
 def trie_counts(trie):
+    """{substring: count} with each node's children in the trie's order."""
     out, stack = {}, [(0, ())]
     while stack:
         node, path = stack.pop()
-        for t, child in trie.children[node].items():
-            out[path + (t,)] = trie.count[child]
+        kids = trie.edges(node)
+        for t, child in zip(kids[::2], kids[1::2]):
+            out[path + (t,)] = trie.node_count(child)
             stack.append((child, path + (t,)))
     return out
 
 
-def test_trie_counts_every_bounded_substring_and_removal_undoes_insertion():
+@TRIES
+def test_trie_counts_every_bounded_substring_and_removal_undoes_insertion(make_trie):
     rng = random.Random(0)
     texts = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
-    trie = SuffixTrie(depth=5)
+    trie = make_trie(5)
     for t in texts:
         trie.insert(t)
     assert trie_counts(trie) == substring_counts(texts, 5)
-    assert trie.num_nodes == 1 + len(substring_counts(texts, 5))
+    assert trie.num_nodes() == 1 + len(substring_counts(texts, 5))
     for t in texts[:3]:
         trie.remove(t)
     assert trie_counts(trie) == substring_counts(texts[3:], 5)
-    nodes = trie.num_nodes
-    trie.insert(texts[0])   # freed nodes are reused: no growth beyond what is held
-    assert trie.num_nodes == 1 + len(substring_counts(texts[3:] + texts[:1], 5))
-    assert len(trie.count) <= max(nodes, trie.num_nodes) + len(trie._free)
+    trie.insert(texts[0])
+    assert trie.num_nodes() == 1 + len(substring_counts(texts[3:] + texts[:1], 5))
     for t in texts[3:] + texts[:1]:
         trie.remove(t)
-    assert trie.num_nodes == 1 and trie.children[0] == {}
+    assert trie.num_nodes() == 1 and trie.edges(0) == []
 
 
-def test_longest_match_and_most_frequent_continuation():
-    trie = SuffixTrie(depth=8)
+def test_freed_nodes_are_reused():
+    trie = SuffixTrie(depth=5)
+    trie.insert([1, 2, 3, 4])
+    nodes = len(trie.count)
+    trie.remove([1, 2, 3, 4])
+    trie.insert([5, 6, 7, 8])   # no growth beyond what is held
+    assert len(trie.count) == nodes
+
+
+@TRIES
+def test_longest_match_and_most_frequent_continuation(make_trie):
+    trie = make_trie(8)
     for text in ([1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [7, 3, 4, 5, 1], [2, 3, 4, 5, 8]):
         trie.insert(text)
-    node, length = trie.longest_match([0, 0, 2, 3, 4], max_len=6)
-    assert length == 3 and trie.count[node] == 3           # "2 3 4" three times
-    tokens, expected = trie.continuation(node, 4, min_prob=0.1)
-    # 5 follows it twice, 6 once; "2 3 4 5" continues only with 8 (once it ends a text)
+    # the longest match is "2 3 4" (three times): 5 follows it twice, 6 once; "2 3 4 5"
+    # continues only with 8 (once it ends a text)
+    tokens, expected = trie.draft([0, 0, 2, 3, 4], 6, 1, 4, 2.0, 0.1)
     assert tokens == [5, 8] and expected == pytest.approx(2 / 3 + 2 / 3)
-    assert trie.continuation(node, 4, min_prob=0.7)[0] == []   # the frequency cut
-    assert trie.longest_match([0, 0], 6) == (0, 0)
+    assert trie.draft([0, 0, 2, 3, 4], 6, 1, 4, 2.0, 0.7)[0] == []   # the frequency cut
+    assert trie.draft([0, 0, 2, 3, 4], 6, 1, 4, 1 / 3, 0.1)[0] == [5]  # 1/3 of the match
+    assert trie.draft([0, 0, 2, 3, 4], 6, 5, 4, 2.0, 0.1) == ([], 0.0)  # none 5 times
+    assert trie.draft([0, 0], 6, 1, 4, 1.0, 0.1) == ([], 0.0)
+
+
+def test_cpp_trie_drafts_what_the_python_trie_drafts():
+    """Random texts over a small vocabulary (many ties and shared substrings), inserted,
+    extended and removed in the same order in both: every node's count and children, in
+    order, and every draft agree."""
+    rng = random.Random(1)
+    py, cpp = SuffixTrie(6), native_trie(6)
+    held = []
+    for step in range(300):
+        action = rng.random()
+        if action < 0.3 or not held:
+            text = [rng.randrange(5) for _ in range(rng.randrange(1, 25))]
+            py.insert(text)
+            cpp.insert(text)
+            held.append(text)
+        elif action < 0.5:
+            text = held.pop(rng.randrange(len(held)))
+            py.remove(text)
+            cpp.remove(text)
+        elif action < 0.6:
+            more = [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+            py.extend(more)
+            cpp.extend(more)
+        else:
+            context = [rng.randrange(5) for _ in range(rng.randrange(0, 8))]
+            args = (context, rng.randrange(0, 7), rng.randrange(1, 3), rng.randrange(0, 6),
+                    rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.3]))
+            assert py.draft(*args) == cpp.draft(*args), (step, args)
+    assert trie_counts(py) == trie_counts(cpp) and py.num_nodes() == cpp.num_nodes()
 
 
 def seq_of(tokens, seq_id=0, domain=None):
     return Sequence(seq_id, str(seq_id), tokens, SamplingParams(), seed=0, domain=domain)
 
 
-def test_request_part_needs_an_earlier_occurrence_and_scales_with_the_match():
+NATIVE = pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "python"])
+
+
+@NATIVE
+def test_request_part_needs_an_earlier_occurrence_and_scales_with_the_match(native, monkeypatch):
+    monkeypatch.setenv("BATCHSPEC_SUFFIX_NATIVE", native)
     prop = SuffixProposer()
     s = seq_of([5, 6, 7, 8, 1, 5, 6, 7])
     assert prop.draft(s, 4) == [8, 1, 5]    # match of 3 tokens: at most 3 drafted
@@ -76,7 +132,10 @@ def test_request_part_needs_an_earlier_occurrence_and_scales_with_the_match():
     assert prop.draft(seq_of([1, 2, 3], seq_id=1), 4) == []  # nothing earlier
 
 
-def test_job_wide_part_drafts_from_finished_outputs_of_the_domain_and_is_bounded():
+@NATIVE
+def test_job_wide_part_drafts_from_finished_outputs_of_the_domain_and_is_bounded(native,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("BATCHSPEC_SUFFIX_NATIVE", native)
     prop = SuffixProposer(max_tokens=10)
     done = seq_of([1, 2], domain="a")
     done.token_ids += [10, 11, 12, 13, 14, 15]

@@ -2,8 +2,10 @@
 
 Two flavours of one bindings file (kernels/verify_ops.cpp):
   cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler),
-        plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp) and
-        the fused RMSNorm of a layer (kernels/fused_cpu.cpp)
+        plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp),
+        the fused RMSNorm of a layer (kernels/fused_cpu.cpp) and the suffix trie of suffix
+        drafts (kernels/suffix_trie.cpp; a pybind11 class, so this flavour is also a
+        Python module: cpu_module())
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
 directory per torch version and hash of the kernel sources and compiler flags, so checkouts
@@ -24,6 +26,7 @@ import torch
 
 NAMESPACE = {False: "batchspec", True: "batchspec_cuda"}
 _errors: dict[bool, str] = {}
+_module = None   # the CPU flavour as a Python module (its pybind11 classes: SuffixTrie)
 
 
 def kernel_dir() -> Path:
@@ -66,7 +69,15 @@ def load(cuda: bool = False):
     return ns
 
 
+def cpu_module():
+    """The CPU flavour's Python module (kernels/suffix_trie.cpp's SuffixTrie); raises as
+    load() does."""
+    load(False)
+    return _module
+
+
 def _compile(cuda: bool) -> None:
+    global _module
     from torch.utils import cpp_extension
 
     if cuda and not (torch.version.cuda and cpp_extension.CUDA_HOME):
@@ -76,7 +87,8 @@ def _compile(cuda: bool) -> None:
     flavour = "cuda" if cuda else "cpu"
     sources = [str(src / "verify_ops.cpp")] + ([str(src / "verify_kernel.cu")] if cuda else
                                                [str(src / "paged_attention_cpu.cpp"),
-                                                str(src / "fused_cpu.cpp")])
+                                                str(src / "fused_cpu.cpp"),
+                                                str(src / "suffix_trie.cpp")])
     # -fno-trapping-math: no FP exception is ever observed, so loops with a clamp or a
     # select (the portable attention path's exp, the host draw's filter) vectorise; it
     # changes no result
@@ -96,12 +108,14 @@ def _compile(cuda: bool) -> None:
     with open(build / ".build.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build / "lock").unlink(missing_ok=True)
-        cpp_extension.load(
+        module = cpp_extension.load(
             name=f"batchspec_verify_{flavour}", sources=sources, build_directory=str(build),
             extra_cflags=cflags, extra_include_paths=[str(src)],
             # no fused multiply-add: the GPU rounds like the host and the torch reference
             extra_cuda_cflags=["-O3", "--fmad=false", "-lineinfo"] if cuda else None,
-            is_python_module=False, verbose=bool(os.environ.get("BATCHSPEC_BUILD_VERBOSE")))
+            is_python_module=not cuda, verbose=bool(os.environ.get("BATCHSPEC_BUILD_VERBOSE")))
+    if not cuda:
+        _module = module
 
 
 def load_error(cuda: bool = False) -> str | None:

@@ -10,17 +10,29 @@ inserting a text of n tokens costs O(n * DEPTH) and removing it the same; nothin
 rebuilt. Memory: at most DEPTH nodes per token held. A request's trie lives while the
 request runs (prompt + output tokens); a domain's job-wide trie holds the outputs of its most
 recently finished requests up to `max_tokens` tokens in all, the oldest removed first, so it
-never has more than DEPTH * max_tokens nodes (about 250 bytes each in CPython: 64 MiB per
-domain at the default 16,384 tokens, in the worst case of text that never repeats).
+never has more than DEPTH * max_tokens nodes (about 83 bytes each in the C++ trie, 250 in
+the Python one: 21 or 64 MiB per domain at the default 16,384 tokens, in the worst case of
+text that never repeats).
+
+The trie is kernels/suffix_trie.cpp's SuffixTrie when the CPU kernels build, the Python
+SuffixTrie below otherwise (or with BATCHSPEC_SUFFIX_NATIVE=0): the same structure and the
+same drafts, ties included (tests/test_suffix.py), at a fraction of the cost. Every row
+inserts its prompt and output and every finished output enters and later leaves the
+job-wide trie; at 32 rows and more the Python trie's upkeep was a large part of a
+speculating step.
 
 Drafts are deterministic (q one-hot): exactness is the verifier's, as for n-gram drafts."""
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections import deque
 
 from batchspec.engine.sequence import Sequence
 from batchspec.spec.proposer import Proposal
+
+log = logging.getLogger(__name__)
 
 DEPTH = 16            # longest substring counted: match + draft
 MATCH_FACTOR = 1.0    # a match of m tokens drafts at most ceil(MATCH_FACTOR * m) tokens
@@ -35,10 +47,22 @@ class SuffixTrie:
         self.children: list[dict[int, int]] = [{}]
         self.count: list[int] = [0]
         self._free: list[int] = []
+        self._open = [0]     # open suffixes of the growing text (extend)
 
-    @property
     def num_nodes(self) -> int:
         return len(self.count) - len(self._free)
+
+    def node_count(self, node: int) -> int:
+        return self.count[node]
+
+    def edges(self, node: int) -> list[int]:
+        """node's children as [token, child, token, child, ...], first added first."""
+        return [x for t, child in self.children[node].items() for x in (t, child)]
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens to the trie's own growing text (a request's prompt + output)."""
+        for t in tokens:
+            self._open = self.append(self._open, t)
 
     def append(self, open_suffixes: list[int], token: int) -> list[int]:
         """Extend a text by one token. open_suffixes: the nodes of the text's last 0, 1, ...
@@ -124,13 +148,57 @@ class SuffixTrie:
             node = kids[token]
         return tokens, expected
 
+    def draft(self, context: list[int], max_match: int, min_count: int, max_len: int,
+              match_factor: float, min_prob: float) -> tuple[list[int], float]:
+        """The continuation of context's longest match (at most max_match tokens, occurring
+        at least min_count times), at most min(max_len, ceil(match_factor * match length))
+        tokens; ([], 0.0) when nothing matches."""
+        node, length = self.longest_match(context, max_match, min_count)
+        if length == 0:
+            return [], 0.0
+        return self.continuation(node, min(max_len, math.ceil(match_factor * length)),
+                                 min_prob)
+
+    def propose(self, new_tokens: list[int], context: list[int], max_match: int, max_len: int,
+                match_factor: float, min_prob: float, domain: SuffixTrie | None) -> list[int]:
+        """One row's draft: append new_tokens to this request's text, then the better by
+        expected accepted tokens (this trie's on a tie) of this trie's draft, whose match must
+        occur twice (once is the text's own end), and the domain trie's, where once is
+        enough."""
+        self.extend(new_tokens)
+        best = self.draft(context, max_match, 2, max_len, match_factor, min_prob)
+        if domain is not None:
+            other = domain.draft(context, max_match, 1, max_len, match_factor, min_prob)
+            if other[1] > best[1]:
+                best = other
+        return best[0]
+
+
+def new_trie(depth: int = DEPTH):
+    """A suffix trie: the C++ one when the CPU kernels load, else SuffixTrie."""
+    native = _native() if os.environ.get("BATCHSPEC_SUFFIX_NATIVE", "1") != "0" else None
+    return native(depth) if native is not None else SuffixTrie(depth)
+
+
+_native_class: list = []   # [the C++ SuffixTrie class, or None], once looked up
+
+
+def _native():
+    if not _native_class:
+        try:
+            from batchspec.spec._build import cpu_module
+            _native_class.append(cpu_module().SuffixTrie)
+        except Exception as e:  # noqa: BLE001 - no compiler: the Python trie
+            log.warning("C++ suffix trie unavailable (%s); using the Python one", e)
+            _native_class.append(None)
+    return _native_class[0]
+
 
 class _RequestTrie:
-    __slots__ = ("trie", "open", "inserted")
+    __slots__ = ("trie", "inserted")
 
     def __init__(self):
-        self.trie = SuffixTrie()
-        self.open = [0]
+        self.trie = new_trie()
         self.inserted = 0
 
 
@@ -138,7 +206,7 @@ class _DomainTrie:
     __slots__ = ("trie", "texts", "tokens")
 
     def __init__(self):
-        self.trie = SuffixTrie()
+        self.trie = new_trie()
         self.texts: deque[list[int]] = deque()
         self.tokens = 0
 
@@ -161,24 +229,12 @@ class SuffixProposer:
         own = self.requests.get(seq.seq_id)
         if own is None:
             own = self.requests[seq.seq_id] = _RequestTrie()
-        for t in seq.token_ids[own.inserted:]:
-            own.open = own.trie.append(own.open, t)
-        own.inserted = len(seq.token_ids)
+        ids = seq.token_ids
         room = DEPTH - k
-        best, best_score = [], 0.0
-        # the request's own text: the suffix itself occurs once (at the end), so a match
-        # must occur at least twice; the domain's outputs: once is enough
-        sources = [(own.trie, 2)]
-        if (dom := self.domains.get(seq.domain)) is not None:
-            sources.append((dom.trie, 1))
-        for trie, min_count in sources:
-            node, length = trie.longest_match(seq.token_ids, room, min_count)
-            if length == 0:
-                continue
-            tokens, score = trie.continuation(
-                node, min(k, math.ceil(MATCH_FACTOR * length)), self.min_prob)
-            if score > best_score:
-                best, best_score = tokens, score
+        dom = self.domains.get(seq.domain)
+        best = own.trie.propose(ids[own.inserted:], ids[-room:] if room > 0 else [], room, k,
+                                MATCH_FACTOR, self.min_prob, dom.trie if dom else None)
+        own.inserted = len(ids)
         return best
 
     def finish(self, seq: Sequence, completed: bool) -> None:
