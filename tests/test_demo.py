@@ -143,6 +143,22 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
     assert all(0 < r["alpha"] < 1 and "observed_over_theoretical" in r for r in spec)
 
 
+def test_bench_pairs_each_rounds_runs_for_its_ratios():
+    """The fastest runs of two methods may come from different stretches of a machine whose
+    speed drifts; the paired ratio is the median of each round's ratio."""
+    from batchspec.tools.bench import add_speedups
+    rows = [{"method": "plain", "batch_size": 32, "temperature": 0.0, "tok_s": 100.0,
+             "runs_tok_s": [100.0, 50.0, 80.0]},
+            {"method": "spec", "batch_size": 32, "temperature": 0.0, "tok_s": 120.0,
+             "runs_tok_s": [110.0, 70.0, 120.0]},
+            {"method": "ngram", "batch_size": 32, "temperature": 0.0, "tok_s": 90.0,
+             "runs_tok_s": [90.0]}]
+    add_speedups(rows)
+    assert rows[1]["x_plain"] == 1.2 and rows[1]["x_plain_paired"] == 1.4
+    assert "x_plain_paired" not in rows[2]     # runs that do not pair up
+    assert "x_plain_paired" not in rows[0]     # a baseline is not paired with itself
+
+
 def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):
     """The transformers replay (used by distill) and real speculative decoding count the
     same rounds on the bundled pair at T=0 (in fp32: in bf16 the two ways of computing the

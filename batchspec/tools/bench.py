@@ -14,12 +14,17 @@ theoretical = E[tokens per pass] / (1 + k c f) (Leviathan et al. 2023) with the 
 acceptance probability of batchspec.contract, c = draft/target parameter ratio, f = share of
 rounds a draft model drafted (1 for a model draft at fixed k; routed and adaptive rows also
 have lookup or plain rounds, which cost no draft pass, and a plain round makes one token),
-and observed = tokens/s over batchspec plain at the same batch size and T."""
+and observed = tokens/s over batchspec plain at the same batch size and T. With --repeats N
+(N rounds in which the methods take turns) each speedup is the fastest run's over the
+baseline's fastest run, and `x_<baseline>_paired` the median over rounds of the ratio of the
+two runs of one round: on a machine whose speed drifts, the fastest runs of two methods may
+come from different stretches, while one round's runs come from the same one."""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import statistics
 import time
 from functools import partial
 
@@ -148,6 +153,13 @@ def add_speedups(rows):
             ref = find(base, b, r["temperature"])
             if ref is not None and ref is not r:
                 r[f"x_{base}"] = round(r["tok_s"] / ref["tok_s"], 3)
+                runs, ref_runs = r.get("runs_tok_s", []), ref.get("runs_tok_s", [])
+                if len(runs) > 1 and len(runs) == len(ref_runs):
+                    # the two methods' runs of each round ran one after the other: their
+                    # ratio is free of the machine's slower drifts, and the median of those
+                    # ratios of one fast run's luck
+                    r[f"x_{base}_paired"] = round(statistics.median(
+                        a / b for a, b in zip(runs, ref_runs)), 3)
         if "speedup_theoretical" in r and "x_plain" in r:
             r["observed_over_theoretical"] = round(r["x_plain"] / r["speedup_theoretical"], 3)
 
@@ -156,9 +168,10 @@ def print_table(rows):
     cols = [("method", "{:<12}"), ("batch_size", "{:>3}"), ("temperature", "{:>5}"),
             ("tok_s", "{:>8}"), ("alpha", "{:>7}"), ("tokens_per_pass", "{:>8}"),
             ("x_hf", "{:>7}"), ("x_hf-assisted", "{:>9}"), ("x_plain", "{:>8}"),
-            ("speedup_theoretical", "{:>7}"), ("observed_over_theoretical", "{:>9}")]
+            ("x_plain_paired", "{:>8}"), ("speedup_theoretical", "{:>7}"),
+            ("observed_over_theoretical", "{:>9}")]
     heads = ["method", "B", "T", "tok/s", "alpha", "tok/pass", "x hf", "x assist", "x plain",
-             "theory", "obs/theo"]
+             "paired", "theory", "obs/theo"]
     print(" ".join(f.format(h) for h, (_, f) in zip(heads, cols)))
     for r in rows:
         print(" ".join(f.format("-" if r.get(c) is None else r[c]) for c, f in cols))
@@ -186,7 +199,8 @@ def print_table(rows):
 @click.option("--confidence-threshold", "threshold", type=float, default=0.0,
               show_default=True, help="batchspec drafts stop below this draft probability.")
 @click.option("--repeats", type=int, default=1, show_default=True,
-              help="Runs per cell, the methods taking turns; the fastest is reported.")
+              help="Runs per cell, the methods taking turns; the fastest is reported, and "
+              "with 2 or more the median of each round's ratio to each baseline (paired).")
 @click.option("--threads", type=int, help="torch threads for every method (default: as "
               "the engine picks for this target).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
