@@ -309,3 +309,28 @@ def test_the_side_behind_takes_the_lead_only_when_clearly_ahead(spec_slowdown, l
     for _ in range(EXPLORE):
         policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
     assert policy._winner is leads
+
+
+def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
+    """A step that runs plain because plain leads (plans are weighed only every EXPLORE
+    steps) costs what a plain engine's step does: no source drafts for it, lookups neither
+    (they used to draft every row, and their drafts were then dropped)."""
+    from batchspec import LLM
+    from batchspec.spec.policy import EXPLORE
+    llm = LLM(tiny_llama, drafts={"default": "suffix"}, device="cpu", min_acceptance=0.0,
+              adaptive_k=True)
+    engine = llm.engine
+    proposer = engine.proposers["default"]
+    calls = []
+    real = proposer.propose
+    proposer.propose = lambda rows: calls.append(len(rows)) or real(rows)
+    engine.policy._winner = False       # plain leads (the first mix seen keeps this state)
+    for i, prompt in enumerate(([1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4, 5])):
+        engine.add_request(llm.make_request(prompt, SamplingParams(max_tokens=40,
+                                                                   ignore_eos=True), str(i)))
+    engine.step()                        # prefill
+    for _ in range(EXPLORE - 1):
+        engine.step()
+        assert not calls
+    engine.step()                        # the plans are weighed: the lookup drafts
+    assert calls == [2]

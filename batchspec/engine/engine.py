@@ -246,9 +246,15 @@ class Engine:
         between a model draft and a lookup keeps the lookup's drafts when the policy expects
         more of them than of the model's (else the model drafts). With adaptive_k the policy
         then sets every row's length (what a lookup found bounds its row), and model drafts
-        draft only that many, level by level. Returns whether the policy chose lengths this
-        step and the step is one to measure (no draft catches up more than a round)."""
+        draft only that many, level by level; a step the policy runs plain without weighing
+        plans (plain leads) drafts nothing at all. Returns whether the policy chose lengths
+        this step and the step is one to measure (no draft catches up more than a round)."""
         rows = [s for s in sampling if s.max_drafts > 0]
+        if rows and self.policy.costs is not None and \
+                self.policy.plain_step([s.seq for s in rows], len(sampling)):
+            for s in rows:      # plain leads: no source drafts (lookups neither)
+                s.max_drafts = 0
+            return True
         for s in rows:
             s.source = s.seq.spec.draft
         is_model = {name: isinstance(p, DraftModelProposer) for name, p in self.proposers.items()}

@@ -264,17 +264,11 @@ class SpecPolicy:
         self._chosen = None
         if costs is None:
             return [n for _, _, n, _ in rows]
-        self._use_mix(tuple(sorted({temperature_bucket(seq) for seq, _, _, _ in rows})))
         num_rows = len(rows) + num_plain_rows
+        if self.plain_step([seq for seq, _, _, _ in rows], num_rows):
+            return [0] * len(rows)
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
-        if self._winner is False and not self._try_left and (self._since + 1) % EXPLORE:
-            # plain leads: the plans are weighed again every EXPLORE steps (tries are due
-            # only then), not at every step, whose cost they would add to
-            self._since += 1
-            self._speculated = False
-            self._chosen = (False, num_rows, plain_s, False)
-            return [0] * len(rows)
         survive, depth, row = [], [], []
         skip = self._behind(rows, num_rows) if self._winner is False else set()
         for i, (seq, source, n, _) in enumerate(rows):
@@ -349,6 +343,21 @@ class SpecPolicy:
         self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
             else (False, num_rows, plain_s, tried)
         return lengths
+
+    def plain_step(self, seqs: list[Sequence], num_rows: int) -> bool:
+        """Whether this step of num_rows rows (seqs: those that may speculate) runs plain
+        without weighing plans: plain leads for the rows' mix of temperatures and no try of
+        speculation is due. Plans are weighed every EXPLORE steps (tries are due only then),
+        not at every step, whose cost they would add to; the engine asks before any source
+        drafts, so that such a step costs what a plain engine's does."""
+        self._use_mix(tuple(sorted({temperature_bucket(seq) for seq in seqs})))
+        if self._winner is not False or self._try_left or not (self._since + 1) % EXPLORE:
+            return False
+        self._since += 1
+        self._speculated = False
+        self._chosen = (False, num_rows, max(self.costs.target_tokens_s(num_rows, num_rows),
+                                             1e-12), False)
+        return True
 
     def _use_mix(self, mix: tuple) -> None:
         """Switch the measurements and the lead to those of this mix of temperatures (each

@@ -67,12 +67,14 @@ class DraftModelProposer:
                 [s.block_table for s in seqs], [1] * len(active))       # [A, V]
             for s, i in zip(seqs, active):
                 s.spec.num_draft_computed += len(feed[i])
-            temps = torch.tensor([s.params.temperature for s in seqs])
-            greedy = temps == 0
-            all_greedy = bool(greedy.all())
+            # (at T = 0 a step's only tensor op besides the forward is the argmax: at small
+            # batches each op's dispatch costs as much as its arithmetic)
+            all_greedy = all(s.params.temperature == 0 for s in seqs)
             tokens = logits.argmax(-1)
             q = None  # greedy rows need q only for the confidence rule
             if not all_greedy or self.threshold > 0:
+                temps = torch.tensor([s.params.temperature for s in seqs])
+                greedy = temps == 0
                 q = draft_probs(logits, temps, seqs)                    # [A, V]
             if not all_greedy:  # inverse-CDF draw from q, keyed like verification
                 u = uniform_compiled(torch.tensor([s.seed for s in seqs]),
