@@ -126,13 +126,13 @@ struct SuffixTrie {
 
   // The longest suffix of context (at most max_match tokens) occurring at least min_count
   // times, then its most frequent continuation, token by token, while the estimated
-  // probability of the whole draft stays at least min_prob, for at most
-  // min(max_len, ceil(match_factor * match length)) tokens. Returns (tokens, expected number
-  // of them accepted under those estimates); none when nothing matches.
-  std::pair<std::vector<int64_t>, double> draft(const std::vector<int64_t>& context,
-                                                 int64_t max_match, int64_t min_count,
-                                                 int64_t max_len, double match_factor,
-                                                 double min_prob) const {
+  // probability of the whole draft (the product of each token's share of its parent's
+  // continuations) stays at least min_prob, for at most
+  // min(max_len, ceil(match_factor * match length)) tokens. Returns (tokens, each token's
+  // share, match length); none when nothing matches.
+  using Draft = std::tuple<std::vector<int64_t>, std::vector<double>, int64_t>;
+  Draft draft(const std::vector<int64_t>& context, int64_t max_match, int64_t min_count,
+              int64_t max_len, double match_factor, double min_prob) const {
     const int64_t n = static_cast<int64_t>(context.size());
     // occurring is monotone in the length (a suffix of an occurring string occurs): binary
     // search over lengths
@@ -149,8 +149,8 @@ struct SuffixTrie {
       }
     }
     std::vector<int64_t> tokens;
-    double expected = 0.0;
-    if (lo == 0) return {tokens, expected};
+    std::vector<double> shares;
+    if (lo == 0) return {tokens, shares, 0};
     const int64_t cap =
         std::min<int64_t>(max_len, static_cast<int64_t>(std::ceil(match_factor * lo)));
     double prob = 1.0;
@@ -162,30 +162,38 @@ struct SuffixTrie {
         total += count_[child];
         if (count_[child] > top_count) top = t, top_count = count_[child];
       }
-      prob *= static_cast<double>(top_count) / static_cast<double>(total);
+      const double share = static_cast<double>(top_count) / static_cast<double>(total);
+      prob *= share;
       if (prob < min_prob) break;
       tokens.push_back(top);
-      expected += prob;
+      shares.push_back(share);
       node = edge_.find(key(node, top));
     }
-    return {tokens, expected};
+    return {tokens, shares, lo};
   }
 
   // One row's draft in one call (each call from Python costs more than the walk): append
-  // new_tokens to this request's text, then the better by expected accepted tokens (this
-  // trie's on a tie) of this trie's draft, whose match must occur twice (once is the text's
-  // own end), and the domain trie's, where once is enough.
-  std::vector<int64_t> propose(const std::vector<int64_t>& new_tokens,
-                               const std::vector<int64_t>& context, int64_t max_match,
-                               int64_t max_len, double match_factor, double min_prob,
-                               const SuffixTrie* domain) {
+  // new_tokens to this request's text, then the better by expected accepted tokens (the sum
+  // of the shares' running products; this trie's on a tie) of this trie's draft, whose match
+  // must occur twice (once is the text's own end), and the domain trie's, where once is
+  // enough. Returns draft()'s triple.
+  Draft propose(
+      const std::vector<int64_t>& new_tokens, const std::vector<int64_t>& context,
+      int64_t max_match, int64_t max_len, double match_factor, double min_prob,
+      const SuffixTrie* domain) {
     extend(new_tokens);
     auto best = draft(context, max_match, 2, max_len, match_factor, min_prob);
     if (domain != nullptr) {
       auto other = domain->draft(context, max_match, 1, max_len, match_factor, min_prob);
-      if (other.second > best.second) best = std::move(other);
+      if (expected(std::get<1>(other)) > expected(std::get<1>(best))) best = std::move(other);
     }
-    return best.first;
+    return best;
+  }
+
+  static double expected(const std::vector<double>& shares) {
+    double prob = 1.0, sum = 0.0;
+    for (double s : shares) sum += (prob *= s);
+    return sum;
   }
 
   int64_t num_nodes() const { return static_cast<int64_t>(count_.size() - free_.size()); }

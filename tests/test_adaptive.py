@@ -93,6 +93,30 @@ def test_lookup_rows_are_bounded_by_what_they_found():
                                   (seqs[2], "ngram", 4, False)], 5) == [2, 0, 4]
 
 
+def test_drafts_classed_by_their_source_take_their_class_acceptance():
+    """Suffix drafts come classed by their own evidence (share of the trie's continuations,
+    match length). What verification accepted in each class replaces the depth's estimate:
+    a row's well-founded draft keeps its slots, an unsure one (say, after a one-token match)
+    loses them, where depth estimates, pooled over both kinds, cannot tell them apart."""
+    from batchspec.spec.suffix import evidence_class
+    policy = make_policy(flat(lambda b, q: 0.01 * b + 0.004 * b * (q - 1)))
+    seqs = rows_with(policy, 2, "suffix", 0.6, rounds=0)
+    sure = [evidence_class(0.97, 8 + i) for i in range(4)]
+    unsure = [evidence_class(1.0, 1 + i) for i in range(4)]
+    for _ in range(50):                   # what verification made of earlier drafts
+        policy.record(seqs[0], "suffix", 4, 4, sure)
+        policy.record(seqs[0], "suffix", 4, 0, unsure)
+    assert min(policy.depth_probs(seqs[0], "suffix", 4, sure)) > 0.9
+    assert policy.depth_probs(seqs[0], "suffix", 4, unsure)[0] < 0.2
+    rows = [(s, "suffix", 4, False) for s in seqs]
+    assert policy.choose_lengths(rows, 0, [sure, unsure]) == [4, 0]
+    assert policy.choose_lengths(rows, 0, [unsure, sure]) == [0, 4]
+    # classes are kept per temperature, as the depth estimates are
+    hot = rows_with(policy, 1, "suffix", 0.6, rounds=0)[0]
+    hot.params = SamplingParams(temperature=0.8)
+    assert policy.depth_probs(hot, "suffix", 1, unsure) == policy.depth_probs(hot, "suffix", 1)
+
+
 def test_estimates_shrink_towards_the_pool():
     policy = SpecPolicy(Cfg(), 1024)
     seq = Sequence(0, "0", [1], SamplingParams(), seed=0, domain="code")

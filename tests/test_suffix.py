@@ -76,12 +76,12 @@ def test_longest_match_and_most_frequent_continuation(make_trie):
         trie.insert(text)
     # the longest match is "2 3 4" (three times): 5 follows it twice, 6 once; "2 3 4 5"
     # continues only with 8 (once it ends a text)
-    tokens, expected = trie.draft([0, 0, 2, 3, 4], 6, 1, 4, 2.0, 0.1)
-    assert tokens == [5, 8] and expected == pytest.approx(2 / 3 + 2 / 3)
+    tokens, shares, length = trie.draft([0, 0, 2, 3, 4], 6, 1, 4, 2.0, 0.1)
+    assert tokens == [5, 8] and shares == pytest.approx([2 / 3, 1.0]) and length == 3
     assert trie.draft([0, 0, 2, 3, 4], 6, 1, 4, 2.0, 0.7)[0] == []   # the frequency cut
     assert trie.draft([0, 0, 2, 3, 4], 6, 1, 4, 1 / 3, 0.1)[0] == [5]  # 1/3 of the match
-    assert trie.draft([0, 0, 2, 3, 4], 6, 5, 4, 2.0, 0.1) == ([], 0.0)  # none 5 times
-    assert trie.draft([0, 0], 6, 1, 4, 1.0, 0.1) == ([], 0.0)
+    assert trie.draft([0, 0, 2, 3, 4], 6, 5, 4, 2.0, 0.1) == ([], [], 0)  # none 5 times
+    assert trie.draft([0, 0], 6, 1, 4, 1.0, 0.1) == ([], [], 0)
 
 
 def test_cpp_trie_drafts_what_the_python_trie_drafts():
@@ -170,6 +170,8 @@ def test_greedy_suffix_equals_plain(tiny_llama, plain, adaptive):
         assert a.token_ids == p.token_ids == b.token_ids
         assert b.draft == "suffix"
         check_record(b)
+    if adaptive:    # how much adaptive lengths draft rests on measured timings
+        return
     drafted = [sum(o.stats["total_drafted"] for o in outs) for outs in (first, second)]
     accepted = sum(o.stats["total_accepted"] for o in second)
     assert drafted[1] > drafted[0] and accepted > 0

@@ -17,7 +17,7 @@ from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
 from batchspec.models.loader import load_tokenizer
 from batchspec.spec.policy import SpecPolicy, StepCosts
-from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
+from batchspec.spec.proposer import DraftModelProposer, NgramProposer
 from batchspec.spec.suffix import SuffixProposer
 from batchspec.spec.verify import VerifyMetadata, verify
 
@@ -265,7 +265,8 @@ class Engine:
                 self._draft(alt, group)
                 for s in group:
                     if self.policy.prefer_lookup(s.seq, name, alt, s.num_drafts,
-                                                 self._cost_ratio(name)):
+                                                 self._cost_ratio(name),
+                                                 s.proposal.classes if s.proposal else None):
                         s.source = alt
                     else:
                         s.proposal = None
@@ -275,11 +276,12 @@ class Engine:
         if chose:
             lengths = self.policy.choose_lengths(
                 [(s.seq, s.source, s.max_drafts if is_model[s.source] else s.num_drafts,
-                  is_model[s.source]) for s in rows], len(sampling) - len(rows))
+                  is_model[s.source]) for s in rows], len(sampling) - len(rows),
+                [s.proposal.classes if s.proposal is not None else None for s in rows])
             for s, n in zip(rows, lengths, strict=True):
                 s.max_drafts = n
                 if s.proposal is not None:
-                    s.proposal = Proposal(s.proposal.token_ids[:n], None) if n else None
+                    s.proposal = s.proposal.cut(n)
         k = self.config.num_speculative_tokens
         for name, group in self._by_source(rows).items():
             group = [s for s in group if s.max_drafts > 0]
@@ -353,7 +355,8 @@ class Engine:
             b += 1
             if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
                 seq.record_round(s.num_drafts, m, self.source_label.get(s.source))
-                self.policy.record(seq, s.source, s.num_drafts, m)
+                self.policy.record(seq, s.source, s.num_drafts, m,
+                                   s.proposal.classes if s.proposal is not None else None)
                 if s.proposal is not None and s.proposal.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
                 self.policy.update_fallback(seq)

@@ -37,6 +37,11 @@ SWITCH_MARGIN = 1.05
 # Mixes of temperatures whose measurements are kept besides the current one (_use_mix): a
 # worker serving jobs of many temperatures holds a bounded state.
 MAX_MIXES = 64
+# A source may put each draft in a class by its own evidence (suffix drafts: the token's
+# share of its trie's continuations and the match length, suffix.evidence_class); each
+# class's acceptance, per source and temperature, is shrunk towards the slot's depth
+# estimate with the weight of CLASS_PRIOR_ROUNDS rounds.
+CLASS_PRIOR_ROUNDS = 10
 
 
 @dataclass
@@ -133,6 +138,8 @@ class SpecPolicy:
         # (source, temperature) or (source, temperature, domain) -> (accepted, judged) per
         # depth (_pool_keys)
         self.pooled: dict[tuple, tuple[list[int], list[int]]] = {}
+        # (source, temperature) -> {class: [accepted, judged]} of drafts the source classed
+        self.by_class: dict[tuple, dict[int, list[int]]] = {}
         # speculating? -> averages over its recent measured steps of [predicted tokens,
         # predicted seconds, tokens, seconds]; steps observed
         self.measured: dict[bool, list[float]] = {}
@@ -180,14 +187,21 @@ class SpecPolicy:
 
     # ---- adaptive verification: per-slot draft lengths by expected goodput ----------------
     def record(self, seq: Sequence, source: str | None, num_drafted: int,
-               num_accepted: int) -> None:
+               num_accepted: int, classes: list[int] | None = None) -> None:
         """Count a round's per-depth outcome in the request's own estimates for its source
         (on its SpecState) and in the source's pooled ones (overall and for the domain, at
-        the request's temperature)."""
+        the request's temperature); drafts the source classed (classes: one per draft) also
+        count in their classes."""
         if not num_drafted or source is None:
             return
         own = seq.spec.source_depth.setdefault(source, ([], []))
         src, dom = self._pool_keys(seq, source)
+        if classes is not None:
+            counts = self.by_class.setdefault(src, {})
+            for d in range(min(num_drafted, num_accepted + 1, len(classes))):
+                c = counts.setdefault(classes[d], [0, 0])
+                c[0] += d < num_accepted
+                c[1] += 1
         for acc, judged in (own, self.pooled.setdefault(src, ([], [])),
                             self.pooled.setdefault(dom, ([], []))):
             while len(judged) < num_drafted:
@@ -205,13 +219,30 @@ class SpecPolicy:
         t = temperature_bucket(seq)
         return (source, t), (source, t, seq.domain)
 
-    def depth_probs(self, seq: Sequence, source: str, n: int) -> list[float]:
+    def depth_probs(self, seq: Sequence, source: str, n: int,
+                    classes: list[int] | None = None) -> list[float]:
         """Estimated probability that seq's draft at depth d (d < n) from `source` is accepted
         given that every draft before it was: the request's own counts at that depth, shrunk
         towards the source's pooled estimate for the request's domain (at its temperature,
         as all pooled estimates), itself shrunk towards
         the source's estimate over all domains, shrunk towards the estimate one depth
-        shallower (PRIOR_P at depth 0). Estimates are capped at 0.98 (no slot is certain)."""
+        shallower (PRIOR_P at depth 0). A draft the source classed by its own evidence
+        (classes: one per draft) takes its class's acceptance instead, shrunk towards the
+        depth's estimate (a suffix draft continuing a long, unanimous match is far likelier
+        to hold than one after a single token). Estimates are capped at 0.98 (no slot is
+        certain)."""
+        out = self._depth_probs(seq, source, n)
+        if classes is None:
+            return out
+        src_key, _ = self._pool_keys(seq, source)
+        counts = self.by_class.get(src_key, {})
+        for d in range(min(n, len(classes))):
+            acc, judged = counts.get(classes[d], (0, 0))
+            out[d] = min((acc + CLASS_PRIOR_ROUNDS * out[d]) / (judged + CLASS_PRIOR_ROUNDS),
+                         MAX_P)
+        return out
+
+    def _depth_probs(self, seq: Sequence, source: str, n: int) -> list[float]:
         src_key, dom_key = self._pool_keys(seq, source)
         src = self.pooled.get(src_key, ((), ()))
         dom = self.pooled.get(dom_key, ((), ()))
@@ -227,17 +258,18 @@ class SpecPolicy:
             parent = out[-1]
         return out
 
-    def expected_tokens(self, seq: Sequence, source: str, n: int) -> float:
+    def expected_tokens(self, seq: Sequence, source: str, n: int,
+                        classes: list[int] | None = None) -> float:
         """Expected tokens of a round in which `source` drafts n tokens for seq: the
         accepted drafts (sum of survival probabilities) and the target's token."""
         tokens, survive = 1.0, 1.0
-        for p in self.depth_probs(seq, source, n):
+        for p in self.depth_probs(seq, source, n, classes):
             survive *= p
             tokens += survive
         return tokens
 
     def prefer_lookup(self, seq: Sequence, model: str, lookup: str, found: int,
-                      cost_ratio: float) -> bool:
+                      cost_ratio: float, classes: list[int] | None = None) -> bool:
         """Routing of a row served by a model draft and a lookup source: whether the drafts
         the lookup found this round (`found` tokens, free to make) promise at least the
         tokens per target-pass cost of k model drafts (each costing cost_ratio of a pass),
@@ -247,10 +279,11 @@ class SpecPolicy:
             return False
         k = self.lookahead(seq)
         by_model = self.expected_tokens(seq, model, k) / (1.0 + k * cost_ratio)
-        return self.expected_tokens(seq, lookup, found) >= by_model
+        return self.expected_tokens(seq, lookup, found, classes) >= by_model
 
     def choose_lengths(self, rows: list[tuple[Sequence, str, int, bool]],
-                       num_plain_rows: int) -> list[int]:
+                       num_plain_rows: int,
+                       classes: list[list[int] | None] | None = None) -> list[int]:
         """Draft lengths for this step's speculating rows, from slots admitted across all rows
         in order of survival probability (the product of the row's per-depth acceptance
         estimates up to the slot). Of the plans that admit 1, 2, ... slots, the best by
@@ -258,8 +291,8 @@ class SpecPolicy:
         by what speculating steps have measured against their predictions, beats the plain
         step's, corrected by what plain steps have measured (0 slots: the plain step).
         rows: (seq, source, most drafts, source is a model), the most drafts of a lookup
-        source being the drafts it has already found. Rows that do not speculate count one
-        token."""
+        source being the drafts it has already found; classes: per row, the classes its
+        source gave those drafts, or None. Rows that do not speculate count one token."""
         costs = self.costs
         self._chosen = None
         if costs is None:
@@ -275,7 +308,8 @@ class SpecPolicy:
             if i in skip:
                 continue
             sp = 1.0
-            for d, p in enumerate(self.depth_probs(seq, source, n)):
+            row_classes = classes[i] if classes is not None else None
+            for d, p in enumerate(self.depth_probs(seq, source, n, row_classes)):
                 sp *= p
                 survive.append(sp)
                 depth.append(d)

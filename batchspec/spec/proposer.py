@@ -29,6 +29,18 @@ class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None      # [n, V] fp32 draft distribution q, None: one-hot
     stopped_by_confidence: bool = False
+    # each draft's class by its source's own evidence (suffix drafts: its share of the
+    # continuations its trie counted and the length of the match), or None; the adaptive
+    # policy learns each class's acceptance from what verification accepts
+    classes: list[int] | None = None
+
+    def cut(self, n: int) -> Proposal | None:
+        """The first n drafts (None for none)."""
+        if not n:
+            return None
+        return Proposal(self.token_ids[:n], None if self.probs is None else self.probs[:n],
+                        self.stopped_by_confidence,
+                        None if self.classes is None else self.classes[:n])
 
 
 def draft_probs(logits: torch.Tensor, temperature: torch.Tensor, seqs: list[Sequence]):
