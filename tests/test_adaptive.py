@@ -269,6 +269,27 @@ def test_a_try_at_one_row_drafts_for_it_however_far_behind():
     assert picks[:EXPLORE - 1] == [[0]] * (EXPLORE - 1) and picks[-1] == [4]
 
 
+def test_the_lead_is_weighed_on_every_row_though_a_try_drafts_for_few():
+    """While plain leads, a try drafts only for the rows least behind; whether speculation
+    takes the lead is still weighed on the plan over every row (what it makes once it leads
+    and the drafts keep up): weighed on the few rows a try drafts for, speculation at a
+    batch of far-behind rows would never look better than plain, and never lead again."""
+    from batchspec.spec.policy import EXPLORE
+    # a draft forward costs a quarter of a plain step however many rows it runs: drafting
+    # for one row loses, drafting for eight wins
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [0.02] * 3})
+    seqs = rows_with(policy, 8, "d", 0.9)
+    for seq in seqs[1:]:                 # seven rows' drafts are far behind
+        seq.prompt_token_ids = seq.token_ids = [1] * 1000
+    set_slowdowns(policy, 1.0, 1.0)
+    policy._winner = False
+    rows = [(s, "d", 4, True) for s in seqs]
+    picks = [policy.choose_lengths(rows, 0) for _ in range(EXPLORE)]
+    assert picks[-1][0] > 0 and picks[-1][1:] == [0] * 7  # drafts for the least behind ...
+    assert policy._winner is True                         # ... and speculation leads
+    assert policy.choose_lengths(rows, 0) == [4] * 8
+
+
 def test_each_mix_of_temperatures_keeps_its_own_measurements_and_lead():
     """Speculation measured as losing at T = 0.8 does not make rows at T = 0 run plain, nor
     the other way round: each mix of temperatures keeps its measurements and its lead, and

@@ -248,7 +248,8 @@ class Engine:
         then sets every row's length (what a lookup found bounds its row), and model drafts
         draft only that many, level by level; a step the policy runs plain without weighing
         plans (plain leads) drafts nothing at all. Returns whether the policy chose lengths
-        this step and the step is one to measure (no draft catches up more than a round)."""
+        this step: the step is then measured, the drafts' catch-up included (a new row's
+        prompt, a routed row's lookup rounds: costs speculation pays and plain does not)."""
         rows = [s for s in sampling if s.max_drafts > 0]
         if rows and self.policy.costs is not None and \
                 self.policy.plain_step([s.seq for s in rows], len(sampling)):
@@ -282,15 +283,9 @@ class Engine:
                 s.max_drafts = n
                 if s.proposal is not None:
                     s.proposal = s.proposal.cut(n)
-        k = self.config.num_speculative_tokens
         for name, group in self._by_source(rows).items():
             group = [s for s in group if s.max_drafts > 0]
             if is_model[name] and group:
-                # a row whose draft is more than a round behind (a new row's prompt, tokens
-                # of plain steps) makes this step also a catch-up: not a speculating step's
-                # usual cost, so the policy does not measure it
-                chose = chose and all(len(s.seq) - s.seq.spec.num_draft_computed <= k + 1
-                                      for s in group)
                 self._draft(name, group)
         return chose
 

@@ -302,44 +302,14 @@ class SpecPolicy:
             return [0] * len(rows)
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
-        survive, depth, row = [], [], []
+        # While plain leads, a try leaves out the rows whose drafts are far behind (not to
+        # pay their catch-up for a few steps); the lead is still weighed on the plan over
+        # every row, which is what speculation makes once it leads and the drafts keep up.
         skip = self._behind(rows, num_rows) if self._winner is False else set()
-        for i, (seq, source, n, _) in enumerate(rows):
-            if i in skip:
-                continue
-            sp = 1.0
-            row_classes = classes[i] if classes is not None else None
-            for d, p in enumerate(self.depth_probs(seq, source, n, row_classes)):
-                sp *= p
-                survive.append(sp)
-                depth.append(d)
-                row.append(i)
-        spec_n, spec_rate, spec_tokens, spec_s = 0, 0.0, 0.0, 0.0   # the best speculating plan
-        order: list[int] = []
-        if survive:
-            # slots by survival, most likely first (ties: shallower, then earlier rows)
-            order = np.lexsort((row, depth, -np.asarray(survive))).tolist()
-            tokens = num_rows + np.cumsum(np.asarray(survive)[order])
-            n = np.arange(1, len(order) + 1)
-            # each model draft's cost grows with the rows it runs at each depth: a slot at
-            # depth d adds one row to its source's forward at d
-            marginal = {src: costs.draft_marginal_s(src, len(rows))
-                        for src in {src for _, src, _, is_model in rows if is_model}}
-            level: dict[tuple[str, int], int] = {}
-            draft_cost = []
-            for j in order:
-                _, src, _, is_model = rows[row[j]]
-                if is_model:
-                    c = level.get((src, depth[j]), 0)
-                    level[(src, depth[j])] = c + 1
-                    draft_cost.append(marginal[src][c])
-                else:
-                    draft_cost.append(0.0)
-            seconds = costs.target_tokens_s_many(num_rows, num_rows + n) + np.cumsum(draft_cost)
-            rates = tokens / np.maximum(seconds, 1e-12)
-            best = int(np.argmax(rates))
-            spec_n, spec_rate = best + 1, float(rates[best])
-            spec_tokens, spec_s = float(tokens[best]), float(seconds[best])
+        full = self._plan(rows, classes, set(), num_rows)
+        plan = self._plan(rows, classes, skip, num_rows) if skip else full
+        spec_n, _, spec_tokens, spec_s, order, row, depth = plan
+        spec_rate = full[1]
         spec_c, plain_c = spec_rate / self._slowdown(True), plain_rate / self._slowdown(False)
         # the side behind takes the lead only when ahead by SWITCH_MARGIN: sides within
         # noise of each other would otherwise trade it back and forth, and each switch to
@@ -392,6 +362,49 @@ class SpecPolicy:
         self._chosen = (False, num_rows, max(self.costs.target_tokens_s(num_rows, num_rows),
                                              1e-12), False)
         return True
+
+    def _plan(self, rows: list[tuple[Sequence, str, int, bool]],
+              classes: list[list[int] | None] | None, skip: set[int], num_rows: int):
+        """The best speculating plan over rows not in skip: (slots admitted, its expected
+        tokens per second, tokens, seconds, slot order, each slot's row, each slot's
+        depth); 0 slots when no row may draft."""
+        costs = self.costs
+        survive, depth, row = [], [], []
+        for i, (seq, source, n, _) in enumerate(rows):
+            if i in skip:
+                continue
+            sp = 1.0
+            row_classes = classes[i] if classes is not None else None
+            for d, p in enumerate(self.depth_probs(seq, source, n, row_classes)):
+                sp *= p
+                survive.append(sp)
+                depth.append(d)
+                row.append(i)
+        if not survive:
+            return 0, 0.0, 0.0, 0.0, [], row, depth
+        # slots by survival, most likely first (ties: shallower, then earlier rows)
+        order = np.lexsort((row, depth, -np.asarray(survive))).tolist()
+        tokens = num_rows + np.cumsum(np.asarray(survive)[order])
+        n = np.arange(1, len(order) + 1)
+        # each model draft's cost grows with the rows it runs at each depth: a slot at
+        # depth d adds one row to its source's forward at d
+        marginal = {src: costs.draft_marginal_s(src, len(rows))
+                    for src in {src for _, src, _, is_model in rows if is_model}}
+        level: dict[tuple[str, int], int] = {}
+        draft_cost = []
+        for j in order:
+            _, src, _, is_model = rows[row[j]]
+            if is_model:
+                c = level.get((src, depth[j]), 0)
+                level[(src, depth[j])] = c + 1
+                draft_cost.append(marginal[src][c])
+            else:
+                draft_cost.append(0.0)
+        seconds = costs.target_tokens_s_many(num_rows, num_rows + n) + np.cumsum(draft_cost)
+        rates = tokens / np.maximum(seconds, 1e-12)
+        best = int(np.argmax(rates))
+        return (best + 1, float(rates[best]), float(tokens[best]), float(seconds[best]),
+                order, row, depth)
 
     def _use_mix(self, mix: tuple) -> None:
         """Switch the measurements and the lead to those of this mix of temperatures (each
