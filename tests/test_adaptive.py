@@ -2,6 +2,7 @@
 admits, from per-depth acceptance estimates and measured step costs."""
 import pytest
 
+from batchspec import LLM
 from batchspec.engine.sequence import Sequence
 from batchspec.sampling import SamplingParams
 from batchspec.spec.policy import SpecPolicy, StepCosts
@@ -360,7 +361,6 @@ def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
     """A step that runs plain because plain leads (plans are weighed only every EXPLORE
     steps) costs what a plain engine's step does: no source drafts for it, lookups neither
     (they used to draft every row, and their drafts were then dropped)."""
-    from batchspec import LLM
     from batchspec.spec.policy import EXPLORE
     llm = LLM(tiny_llama, drafts={"default": "suffix"}, device="cpu", min_acceptance=0.0,
               adaptive_k=True)
@@ -379,3 +379,41 @@ def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
         assert not calls
     engine.step()                        # the plans are weighed: the lookup drafts
     assert calls == [2]
+
+
+def test_speculating_steps_whose_drafts_catch_up_are_measured(tiny_llama):
+    """A new row's first speculating step also runs its draft over the row's prompt: a cost
+    speculation pays and plain does not, so the step is measured like any other (left out,
+    speculation's measured steps were its cheap ones at 32 rows, where a row joins nearly
+    every step)."""
+    llm = LLM(tiny_llama, drafts={"default": tiny_llama}, device="cpu", min_acceptance=0.0,
+              adaptive_k=True, max_num_seqs=2, num_speculative_tokens=4)
+    engine, policy = llm.engine, llm.engine.policy
+    # verification free, drafts nearly so: every step speculates (no plain step is ever
+    # measured, so the two sides' corrections stay alike)
+    policy.costs = StepCosts([1, 2], target={q: [0.01, 0.02] for q in range(1, 6)},
+                             draft={"default": [1e-4, 1e-4]})
+    proposer = engine.proposers["default"]
+    step_lag, seen = [0], []
+    real_propose, real_observe = proposer.propose, policy.observe
+
+    def propose(rows):
+        step_lag[0] = max(step_lag[0], *(len(seq) - seq.spec.num_draft_computed
+                                         for seq, _ in rows))
+        return real_propose(rows)
+
+    def observe(seconds, tokens, *args, **kwargs):
+        if policy._chosen is not None and policy._chosen[0]:
+            seen.append(step_lag[0])
+        return real_observe(seconds, tokens, *args, **kwargs)
+
+    proposer.propose, policy.observe = propose, observe
+    prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10] for i in range(4)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(llm.make_request(prompt, SamplingParams(max_tokens=6,
+                                                                   ignore_eos=True), str(i)))
+    while engine.has_unfinished():
+        step_lag[0] = 0
+        engine.step()
+    k = llm.engine.config.num_speculative_tokens
+    assert any(lag > k + 1 for lag in seen)    # a step that caught a prompt up, measured
