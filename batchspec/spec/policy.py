@@ -339,8 +339,8 @@ class SpecPolicy:
         for j in order[:n]:
             lengths[row[j]] = max(lengths[row[j]], depth[j] + 1)
         # A speculating step right after plain ones also brings the drafts' caches up to
-        # date (every token of the plain steps, or a new row's whole prompt): a cost of
-        # switching, not of speculating, so it is not measured.
+        # date on every token of the plain steps: a cost of switching, not of speculating,
+        # so it is not measured (later steps are, a new row's prompt caught up included).
         warm_up = speculate and not self._speculated
         self._speculated = speculate
         tried = speculate != self._winner
@@ -446,8 +446,8 @@ class SpecPolicy:
     def _slowdown(self, speculate: bool) -> float:
         """Predicted / measured tokens per second of recent steps of this side (plain or
         speculating): what the start-up costs and the acceptance estimates leave out
-        (sampling, verification, bookkeeping, optimism in the slots chosen, a busier
-        machine). A ratio of averages (tokens and seconds averaged apart), not an average of
+        (sampling, verification, the drafts' catch-up, bookkeeping, optimism in the slots
+        chosen, a busier machine). A ratio of averages (tokens and seconds averaged apart), not an average of
         ratios: a speculating step's tokens vary from 1 to k+1 a row, and at small batches an
         average of per-step ratios would overstate the slowdown by far. A side not yet
         measured borrows the other's."""
