@@ -291,29 +291,6 @@ def test_the_lead_is_weighed_on_every_row_though_a_try_drafts_for_few():
     assert policy.choose_lengths(rows, 0) == [4] * 8
 
 
-def test_a_step_whose_lookups_found_little_does_not_hand_plain_the_lead():
-    """What lookups find varies from step to step. A step where they found nothing runs
-    plain, but speculation keeps the lead until it has lost HANDOVER_STEPS steps in a row:
-    handed over at once, the lead would come back only at the next weighed step, EXPLORE
-    steps later."""
-    from batchspec.spec.policy import HANDOVER_STEPS
-    policy = make_policy(flat(lambda b, q: 0.01 * b))
-    seqs = rows_with(policy, 4, "suffix", 0.9)
-    set_slowdowns(policy, 1.0, 1.0)
-    found = [(s, "suffix", 4, False) for s in seqs]
-    nothing = [(s, "suffix", 0, False) for s in seqs]
-    assert policy.choose_lengths(found, 0) == [4] * 4 and policy._winner is True
-    for _ in range(HANDOVER_STEPS - 1):
-        assert policy.choose_lengths(nothing, 0) == [0] * 4
-        assert policy._winner is True
-    assert policy.choose_lengths(found, 0) == [4] * 4      # and the count starts again
-    for _ in range(HANDOVER_STEPS - 1):
-        policy.choose_lengths(nothing, 0)
-    assert policy._winner is True
-    policy.choose_lengths(nothing, 0)
-    assert policy._winner is False
-
-
 def test_each_mix_of_temperatures_keeps_its_own_measurements_and_lead():
     """Speculation measured as losing at T = 0.8 does not make rows at T = 0 run plain, nor
     the other way round: each mix of temperatures keeps its measurements and its lead, and

@@ -34,11 +34,6 @@ CATCH_UP_PER_ROW = 4
 # The side behind takes the lead only once its corrected rate beats the leader's by this
 # factor.
 SWITCH_MARGIN = 1.05
-# Speculation hands the lead to plain only once its best plan has lost this many steps in a
-# row; until then a losing step just runs plain. What lookups find, and so the best plan,
-# varies from step to step (a step after new rows joined may find little), and while plain
-# leads the plans are weighed only every EXPLORE steps: one poor step would cost that many.
-HANDOVER_STEPS = 3
 # Mixes of temperatures whose measurements are kept besides the current one (_use_mix): a
 # worker serving jobs of many temperatures holds a bounded state.
 MAX_MIXES = 64
@@ -152,7 +147,6 @@ class SpecPolicy:
         self._winner: bool | None = None        # the side the corrections prefer
         self._interval, self._since = EXPLORE, 0  # steps between tries of the other side
         self._try_left = 0                  # steps of a try of the other side still to run
-        self._losing = 0                    # steps in a row speculation led and lost
         self._speculated = False            # whether the last step speculated
         # this step's (speculates, predicted tokens, predicted seconds, a try of the side
         # that does not lead)
@@ -323,20 +317,16 @@ class SpecPolicy:
         margin = SWITCH_MARGIN if self._winner is not None else 1.0
         speculate = spec_n > 0 and (spec_c > plain_c * margin if not self._winner
                                     else spec_c * margin > plain_c)
-        self._losing = self._losing + 1 if self._winner and not speculate else 0
-        hold = 0 < self._losing < HANDOVER_STEPS   # this step runs plain, speculation leads
-        if speculate != self._winner and not hold:   # the other side leads now (a try, if
-            # one was on, has shown it): explore the side behind soon again
+        if speculate != self._winner:    # the other side leads now (a try, if one was on,
+            # has shown it): explore the side behind soon again
             self._winner, self._interval, self._since = speculate, EXPLORE, 0
-            self._try_left = self._losing = 0
+            self._try_left = 0
         self._since += 1
         # a side far behind is tried only every FAR_EXPLORE steps (each try of speculation
         # also costs the drafts' catch-up); one never measured is not known to be
         close = min(spec_c, plain_c) >= TRY_MARGIN * max(spec_c, plain_c) or \
             len(self.measured) < 2
-        if hold:
-            pass
-        elif self._try_left and spec_n:    # a try goes on
+        if self._try_left and spec_n:    # a try goes on
             speculate = not self._winner
             self._try_left -= 1
         elif spec_n and self._since >= (self._interval if close else FAR_EXPLORE):
@@ -431,7 +421,7 @@ class SpecPolicy:
                 del self._mixes[next(iter(self._mixes))]
             self.measured, self.observed, self._winner, self._interval, self._since = \
                 self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0))
-            self._try_left = self._losing = 0
+            self._try_left = 0
             self._chosen = None
         self._mix = mix
 
