@@ -267,7 +267,7 @@ class Engine:
                 for s in group:
                     if self.policy.prefer_lookup(s.seq, name, alt, s.num_drafts,
                                                  self._cost_ratio(name),
-                                                 s.proposal.classes if s.proposal else None):
+                                                 s.proposal.classes if s.proposal is not None else None):
                         s.source = alt
                     else:
                         s.proposal = None

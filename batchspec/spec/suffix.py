@@ -24,6 +24,7 @@ speculating step.
 Drafts are deterministic (q one-hot): exactness is the verifier's, as for n-gram drafts."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -181,9 +182,10 @@ class SuffixTrie:
 def evidence_class(share: float, match: int) -> int:
     """A suffix draft token's class for the adaptive policy's calibration (policy.record):
     the tenth of its share of the continuations (0-9) and the length of the match it
-    continues (1, 2, 3, 4-7, 8 or more). On held-out code and prose a token continuing a
-    one-token match was accepted 38% of the time even when its share was 1, against 85-98%
-    after four tokens or more; below a share of 0.7, 5-42%."""
+    continues (1, 2, 3, 4-7, 8 or more). On held-out code and prose at 32 rows
+    (benchmarks/suffix_classes.py), with a share of 0.9 or more a token continuing a
+    one-token match was accepted 4% of the time, after 2-3 tokens 72-77%, 4-7 88%, 8 or
+    more 95%; with a share below 0.7, 0-40%."""
     band = match - 1 if match < 4 else 3 if match < 8 else 4
     return 5 * min(int(share * 10), 9) + band
 
@@ -204,18 +206,16 @@ def new_trie(depth: int = DEPTH):
     return native(depth) if native is not None else SuffixTrie(depth)
 
 
-_native_class: list = []   # [the C++ SuffixTrie class, or None], once looked up
-
-
+@functools.cache
 def _native():
-    if not _native_class:
-        try:
-            from batchspec.spec._build import cpu_module
-            _native_class.append(cpu_module().SuffixTrie)
-        except Exception as e:  # noqa: BLE001 - no compiler: the Python trie
-            log.warning("C++ suffix trie unavailable (%s); using the Python one", e)
-            _native_class.append(None)
-    return _native_class[0]
+    """The C++ SuffixTrie class, or None (looked up once: a build that failed is not
+    retried)."""
+    try:
+        from batchspec.spec._build import cpu_module
+        return cpu_module().SuffixTrie
+    except Exception as e:  # noqa: BLE001 - no compiler: the Python trie
+        log.warning("C++ suffix trie unavailable (%s); using the Python one", e)
+        return None
 
 
 class _RequestTrie:
