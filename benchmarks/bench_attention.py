@@ -8,9 +8,12 @@ reported.
 gather + SDPA (grouped matmuls in bf16).
 --compare rmsnorm: the fused C++ RMSNorm (kernels/fused_cpu.cpp, residual add included)
 against the torch ops it replaces.
+--compare fused: every fused C++ op of a layer (RMSNorm, SwiGLU's silu(gate) * up, RoPE of q
+and k), RMSNorm alone fused, and the torch ops.
 
     python benchmarks/bench_attention.py --model target --ctx 160,700
     python benchmarks/bench_attention.py --compare rmsnorm --model target,draft --ctx 160 --q 1,5
+    python benchmarks/bench_attention.py --compare fused --model target,draft --ctx 160 --q 1,5
 """
 from __future__ import annotations
 
@@ -55,9 +58,23 @@ def rmsnorm_paths(runner):
     return {"fused RMSNorm": use(fused), "torch RMSNorm": use(None)}
 
 
+def fused_paths(runner):
+    fused = runner.model.fused
+    if fused is None:
+        sys.exit("the fused ops are unavailable here (no compiler, or BATCHSPEC_CPU_FUSED=0)")
+
+    def use(ops, swiglu_rope):
+        def setup():
+            runner.model.fused = ops
+            runner.model.fuse_swiglu_rope = swiglu_rope
+        return setup
+    return {"all fused": use(fused, True), "RMSNorm fused": use(fused, False),
+            "torch ops": use(None, False)}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", choices=["attention", "rmsnorm"], default="attention")
+    ap.add_argument("--compare", choices=["attention", "rmsnorm", "fused"], default="attention")
     ap.add_argument("--model", default="target", help="demo models, comma-separated")
     ap.add_argument("--ctx", default="160,700")
     ap.add_argument("--batch-sizes", default="1,8,32,64")
@@ -69,7 +86,8 @@ def main():
     for name in args.model.split(","):
         runner = ModelRunner(demo_models()[name], "cpu", args.dtype)
         runner.allocate_kv_cache(8192, 16)
-        paths = {"attention": attention_paths, "rmsnorm": rmsnorm_paths}[args.compare](runner)
+        paths = {"attention": attention_paths, "rmsnorm": rmsnorm_paths,
+                 "fused": fused_paths}[args.compare](runner)
         print(f"{name}, {args.dtype}, 1 thread: forward ms, " + " / ".join(paths))
         for ctx in map(int, args.ctx.split(",")):
             for b in map(int, args.batch_sizes.split(",")):

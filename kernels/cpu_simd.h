@@ -37,3 +37,77 @@ inline float exp_nonpositive(float x) {
 }
 
 }  // namespace bs
+
+// AVX-512 pieces of the explicit paths (x86-64 with GCC or clang), each used only where
+// __builtin_cpu_supports says the machine has AVX-512
+#if defined(__GNUC__) && defined(__x86_64__)
+#define BS_HAVE_AVX512_PATH 1
+#include <immintrin.h>
+
+#include <type_traits>
+#define BS_AVX512 __attribute__((target("avx512f,avx512dq"), always_inline)) inline
+
+namespace bs {
+
+template <typename T>
+BS_AVX512 __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {  // bfloat16: the upper half of a float
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// x rounded to bfloat16, as c10::BFloat16 rounds (to nearest even; a NaN becomes the
+// canonical one), in the upper half of each lane (the lower half zero)
+BS_AVX512 __m512i bf16_bits16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(
+      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+      _mm512_set1_epi32(int(0xffff0000u)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7fc00000));
+}
+
+// 16 floats to the model dtype at p
+template <typename T>
+BS_AVX512 void store16(T* p, __m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, x);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(x), 16)));
+  }
+}
+
+// x rounded to the model dtype and back (what a torch op returning T does to its result)
+template <typename T>
+BS_AVX512 __m512 round16(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return _mm512_castsi512_ps(bf16_bits16(x));
+}
+
+// exp_nonpositive, 16 lanes at a time (the same reduction and polynomial)
+BS_AVX512 __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+inline bool avx512_usable() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return cpu;
+}
+
+}  // namespace bs
+#endif

@@ -127,10 +127,9 @@ BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const i
     }
 }
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#define BS_HAVE_AVX512_PATH 1
-#include <immintrin.h>
-#define BS_AVX512 __attribute__((target("avx512f,avx512dq"), always_inline)) inline
+#ifdef BS_HAVE_AVX512_PATH
+using bs::exp16;
+using bs::load16;
 
 // The AVX-512 path: keys CHUNK at a time, each key row converted to fp32 once and dotted with
 // every query of the task (no transposed copy); a query's per-key partial sums are folded,
@@ -138,16 +137,6 @@ BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const i
 // folded into the running softmax with one rescale. Scores, softmax and the
 // value sums are fp32, as in the portable path; only the order of additions differs.
 constexpr int64_t KEYS = 16;
-
-template <typename T>
-BS_AVX512 __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {  // bfloat16: the upper half of a float
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
 
 // out lane c = sum of the lanes of a[c], for c in 0..15
 BS_AVX512 __m512 transpose_sum16(const __m512* a) {
@@ -164,21 +153,6 @@ BS_AVX512 __m512 transpose_sum16(const __m512* a) {
                                    _mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// exp_nonpositive, 16 lanes at a time (the same reduction and polynomial)
-BS_AVX512 __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 // One (row, KV head) task; NV = D / 16 vectors per head row.
@@ -294,8 +268,7 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
 // BATCHSPEC_CPU_ATTENTION_PORTABLE=1 takes the portable path (read on every call, so that
 // tests and benchmarks can compare the two in one process)
 bool avx512_usable() {
-  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  return cpu && std::getenv("BATCHSPEC_CPU_ATTENTION_PORTABLE") == nullptr;
+  return bs::avx512_usable() && std::getenv("BATCHSPEC_CPU_ATTENTION_PORTABLE") == nullptr;
 }
 #endif
 

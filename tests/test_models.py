@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from batchspec import LLM, SamplingParams
 from batchspec.engine.block_manager import BlockManager
@@ -250,10 +251,47 @@ def test_cpu_paged_attention_kernel_equals_direct_attention(portable, monkeypatc
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_swiglu_and_rope_give_the_torch_ops_result(dtype):
+    """The C++ silu(gate) * up and RoPE of q and k (kernels/fused_cpu.cpp) against the torch
+    expressions they replace, on widths the vector paths take (multiples of 16 and 32) and
+    widths they leave to the scalar loop: RoPE bit for bit in bf16, SwiGLU within one bf16
+    step (its exp may differ in the last fp32 bit); q and k come back contiguous."""
+    from batchspec.models.llama import apply_rope, fused_ops
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    dt = getattr(torch, dtype)
+    ops = fused_ops(dt, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    exact = dict(atol=1e-6, rtol=1e-6) if dtype == "float32" else dict(atol=0, rtol=0)
+    for inter in (96, 40):
+        gu = (torch.randn(37, 2 * inter, generator=g) * 4).to(dt)
+        gu[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
+        gate, up = gu.chunk(2, dim=-1)
+        step = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=0, rtol=2 ** -8)
+        torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **step)
+    for D, Hq, Hkv in ((64, 4, 2), (16, 3, 3), (128, 2, 1)):
+        T = 29
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dt)
+        freqs = torch.outer(torch.arange(300).float(),
+                            1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        pos = torch.randint(0, 300, (T,), generator=g)
+        q, k = ops.rope_qk(qkv, cos, sin, pos, Hq, Hkv)
+        ref = apply_rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos[pos].unsqueeze(1),
+                         sin[pos].unsqueeze(1))
+        assert q.is_contiguous() and k.is_contiguous()
+        torch.testing.assert_close(q, ref[:, :Hq], **exact)
+        torch.testing.assert_close(k, ref[:, Hq:], **exact)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        ops.rope_qk(qkv, cos, sin, torch.full((T,), 300), Hq, Hkv)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_rms_norm_gives_the_torch_ops_result(arch_model, dtype):
     """The C++ RMSNorm (kernels/fused_cpu.cpp, the residual add folded in) keeps the torch
-    expression's roundings: the same logits as the torch ops (bit for bit in bf16, within
-    fp32 summation order otherwise), on ragged rows of a prefilled cache."""
+    expression's roundings; a forward with every fused op (RMSNorm, SwiGLU, RoPE) gives the
+    torch ops' logits (within rounding), on ragged rows of a prefilled cache."""
     from batchspec.models.llama import fused_ops, rms_norm
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")

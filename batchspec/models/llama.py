@@ -57,10 +57,11 @@ def _prepack_works(dtype: torch.dtype) -> bool:
 
 
 def fused_ops(dtype: torch.dtype, device: torch.device):
-    """The C++ RMSNorm of a layer on CPU (kernels/fused_cpu.cpp), with the residual add
-    before it, or None: other devices and dtypes, no compiler, or BATCHSPEC_CPU_FUSED=0. It
-    does in one pass what is 8-9 torch ops below, with the same roundings (q/k norms, over
-    heads, stay torch ops)."""
+    """The C++ elementwise ops of a layer on CPU (kernels/fused_cpu.cpp): RMSNorm with the
+    residual add before it, SwiGLU's silu(gate) * up, and RoPE of q and k; or None: other
+    devices and dtypes, no compiler, or BATCHSPEC_CPU_FUSED=0. Each does in one pass what is
+    5-9 torch ops below, with the same roundings (q/k norms, over heads, and the rotation
+    after them stay torch ops)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or \
             os.environ.get("BATCHSPEC_CPU_FUSED", "1") == "0":
         return None
@@ -170,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.cos = emb.cos().to(device=device, dtype=dtype)   # [max_pos, D]
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.fused = fused_ops(dtype, device)
+        self.fuse_swiglu_rope = True   # with self.fused: off leaves only RMSNorm fused (benchmarks)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -187,8 +189,11 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         T = input_ids.shape[0]
         h = self.embed_tokens(input_ids)                             # [T, hidden]
-        cos = self.cos[positions].unsqueeze(1)                       # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        fused_act = self.fused is not None and self.fuse_swiglu_rope
+        fused_rope = fused_act and not cfg.qk_norm
+        if not fused_rope:
+            cos = self.cos[positions].unsqueeze(1)                   # [T, 1, D]
+            sin = self.sin[positions].unsqueeze(1)
         eps = cfg.rms_norm_eps
         mlp_out = None                                   # the last MLP output, not yet in h
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -198,7 +203,10 @@ class LlamaForCausalLM(nn.Module):
             q = q.view(T, self.num_heads, cfg.head_dim)               # this rank's heads
             k = k.view(T, self.num_kv_heads, cfg.head_dim)
             v = v.view(T, self.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
+            if fused_rope:  # one C++ pass; q and k come back contiguous
+                q, k = self.fused.rope_qk(qkv, self.cos, self.sin, positions, self.num_heads,
+                                          self.num_kv_heads)
+            elif cfg.qk_norm:
                 q = apply_rope(rms_norm(q, layer["q_norm"], eps), cos, sin)
                 k = apply_rope(rms_norm(k, layer["k_norm"], eps), cos, sin)
             else:  # q and k side by side in qkv: one rotation for both heads' sets
@@ -210,8 +218,13 @@ class LlamaForCausalLM(nn.Module):
             o = self.tp.all_reduce(linear(o.reshape(T, self.q_size), layer["o"]))
             h, x = self._add_norm(h, o if layer["o_bias"] is None else o + layer["o_bias"],
                                   layer["post_norm"])
-            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            mlp_out = self.tp.all_reduce(linear(F.silu(gate) * up, layer["down"]))
+            gate_up = linear(x, layer["gate_up"])
+            if fused_act:
+                act = self.fused.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            mlp_out = self.tp.all_reduce(linear(act, layer["down"]))
         return self._add_norm(h, mlp_out, self.final_norm)[1]
 
     def _add_norm(self, h: torch.Tensor, residual: torch.Tensor | None,
