@@ -4,8 +4,9 @@ take turns `--repeats` times within each shape, in one process; the fastest of e
 reported.
 
 --compare attention (default): attention of short rows through the C++ paged kernel
-(kernels/paged_attention_cpu.cpp) by its AVX-512 path and by its portable path, and through
-gather + SDPA (grouped matmuls in bf16).
+(kernels/paged_attention_cpu.cpp) by its default paths (AMX tiles for bf16 windows of 6+
+query vectors per KV head, where the CPU has AMX; AVX-512 for the rest), by AVX-512 alone, by
+its portable path, and through gather + SDPA (grouped matmuls in bf16).
 --compare rmsnorm: the fused C++ RMSNorm (kernels/fused_cpu.cpp, residual add included)
 against the torch ops it replaces.
 --compare fused: every fused C++ op of a layer (RMSNorm, SwiGLU's silu(gate) * up, RoPE of q
@@ -34,16 +35,19 @@ from batchspec.spec._build import load  # noqa: E402
 def attention_paths(runner):
     kernel = load(False).paged_decode_attention
 
-    def use(op, portable):
+    def use(op, portable, amx=True):
         def setup():
             attention._cpu_op = op   # False: the gather + SDPA path
-            if portable:
-                os.environ["BATCHSPEC_CPU_ATTENTION_PORTABLE"] = "1"
-            else:
-                os.environ.pop("BATCHSPEC_CPU_ATTENTION_PORTABLE", None)
+            for name, on in (("BATCHSPEC_CPU_ATTENTION_PORTABLE", portable),
+                             ("BATCHSPEC_CPU_ATTENTION_AMX", not amx)):
+                if on:
+                    os.environ[name] = "0" if name.endswith("AMX") else "1"
+                else:
+                    os.environ.pop(name, None)
         return setup
-    return {"AVX-512 kernel": use(kernel, False), "portable kernel": use(kernel, True),
-            "gather + SDPA": use(False, False)}
+    return {"kernel (AMX + AVX-512)": use(kernel, False), "AVX-512 kernel": use(kernel, False,
+                                                                              amx=False),
+            "portable kernel": use(kernel, True), "gather + SDPA": use(False, False)}
 
 
 def rmsnorm_paths(runner):

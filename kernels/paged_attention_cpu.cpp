@@ -5,6 +5,8 @@
 // One task per (row, KV head): the row's q_len x G query heads that read this KV head walk
 // the row's keys once, through its block table, with an online softmax in fp32. Causal: query
 // j of a row with kv_len keys (its new tokens included) sees positions 0 .. kv_len - q_len + j.
+// Paths: portable C++; AVX-512 (x86-64); AMX tiles for bf16 tasks of many queries
+// (verification windows) on CPUs that have them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -21,6 +23,11 @@
 #include <vector>
 
 #include "cpu_simd.h"
+
+#ifdef __linux__
+#include <sys/syscall.h>   // arch_prctl: permission to use AMX tiles
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -272,6 +279,218 @@ bool avx512_usable() {
 }
 #endif
 
+#if defined(BS_HAVE_AVX512_PATH) && defined(__linux__) && !defined(__clang__) && __GNUC__ >= 11
+#define BS_HAVE_AMX_PATH 1
+
+// bf16 on CPUs with AMX (Intel Sapphire Rapids and later): a task's products as tile matrix
+// multiplies. Keys KEYS_AMX at a time, gathered through the block table into a contiguous
+// buffer (any block size):
+//   scores  S^T [keys x 16 queries] = K [keys x D] . Q^T, the queries' pairs of head
+//           dimensions held in tiles for the whole task; a row of S^T is the 16 queries'
+//           scores of one key, so the softmax runs down rows, 16 queries a vector (fp32);
+//   values  O [16 queries x D] += P [16 queries x keys] . V, the weights rounded to bf16 (as
+//           flash-attention kernels on GPUs round them) and V paired over keys for the tile
+//           (AMX's bf16 layout); O stays fp32 between chunks and is rescaled with the max.
+// Scores, softmax and sums are fp32; the weights' rounding to bf16 is the one change of
+// arithmetic from the path above, inside the bf16 output's own rounding.
+constexpr int64_t KEYS_AMX = 32;
+// Query vectors (q_len x G) from which a task takes this path: its cost hardly depends on
+// them, and below this the AVX-512 path, whose cost grows with each, is cheaper (a decode
+// step's task has G; a verification window of 5 tokens, 5 G).
+constexpr int64_t AMX_MIN_QUERIES = 6;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// AMX needs the kernel's permission per process (Linux 5.16+); BATCHSPEC_CPU_ATTENTION_AMX=0
+// turns the path off (read on every call, as the switch above)
+bool amx_usable() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw"))
+      return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  const char* env = std::getenv("BATCHSPEC_CPU_ATTENTION_AMX");
+  return ok && avx512_usable() && (env == nullptr || std::strcmp(env, "0") != 0);
+}
+
+#define BS_AMX __attribute__((target("avx512f,avx512dq,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+
+// Tiles: 0 keys or weights (A), 1 paired values (B), 2-3 scores or an output block (C),
+// 4.. the task's queries (B), one per 32 head dimensions; every tile 16 rows of 64 bytes.
+BS_AMX void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  // GCC does not see ldtilecfg read the struct and drops the stores above without this
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+template <int NV>
+BS_AMX void attend_task_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                            uint16_t* out, const int64_t* table, int64_t t0, int64_t nq,
+                            int64_t nkv, int64_t kvh, int64_t Hq, int64_t Hkv,
+                            int64_t block_size, float scale) {
+  constexpr int64_t D = NV * 16, KS = D / 32;   // KS: tiles of queries (32 dims each)
+  static_assert(KS >= 1 && KS <= 4, "head dims 32, 64 or 128");
+  const int64_t G = Hq / Hkv, n = nq * G;
+  alignas(64) uint32_t qt[KS][16 * 16];          // [dim pair][query]: two bf16
+  alignas(64) uint16_t kb[KEYS_AMX * D];         // [key][dim]
+  alignas(64) uint32_t vp[KEYS_AMX / 2 * D];     // [key pair][dim]: two bf16
+  alignas(64) float sc[KEYS_AMX * 16];           // [key][query]
+  alignas(64) uint16_t pw[16 * KEYS_AMX];        // [query][key]: bf16 weights
+  alignas(64) float ob[16 * D];                  // [query][dim]
+  const __m512i pair_up = _mm512_set_epi16(  // (a0, b0, a1, b1, ...) from (a0..a15, b0..b15)
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i col = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(16));
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - i0);
+    alignas(64) int32_t lim[16];  // last key each query sees (query j: nkv - nq + j)
+    for (int64_t l = 0; l < 16; ++l) {
+      const int64_t i = i0 + l, j = i / G, g = i % G;
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(
+          q + ((t0 + j) * Hq + kvh * G + g) * D);
+      for (int64_t p = 0; p < D / 2; ++p)  // an idle lane: zero query, sees every key
+        qt[p / 16][(p % 16) * 16 + l] = l < nb ? row[p] : 0u;
+      lim[l] = static_cast<int32_t>(l < nb ? nkv - nq + j : nkv - 1);
+    }
+    const __m512i limv = _mm512_load_si512(lim);
+    _tile_loadd(4, qt[0], 64);
+    if constexpr (KS > 1) _tile_loadd(5, qt[1], 64);
+    if constexpr (KS > 2) _tile_loadd(6, qt[2], 64);
+    if constexpr (KS > 3) _tile_loadd(7, qt[3], 64);
+    std::memset(ob, 0, sizeof(ob));
+    __m512 mx = ninf, sum = _mm512_setzero_ps();
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int64_t last = nkv - nq + (i0 + nb - 1) / G;  // the block's last key seen
+    for (int64_t p0 = 0; p0 <= last; p0 += KEYS_AMX) {
+      const int64_t pn = std::min(KEYS_AMX, last + 1 - p0);
+      // keys and values of the chunk, through the block table
+      int64_t blk = p0 / block_size, off = p0 % block_size, base = table[blk] * block_size;
+      for (int64_t c = 0; c < KEYS_AMX; c += 2) {
+        const uint16_t* v2[2] = {nullptr, nullptr};
+        for (int u = 0; u < 2; ++u) {
+          uint16_t* kd = kb + (c + u) * D;
+          if (c + u < pn) {
+            const int64_t slot = base + off;
+            if (++off == block_size && c + u + 1 < pn) {
+              off = 0;
+              base = table[++blk] * block_size;
+            }
+            const uint16_t* kp = kc + (slot * Hkv + kvh) * D;
+            v2[u] = vc + (slot * Hkv + kvh) * D;
+            for (int v = 0; v < NV / 2; ++v)
+              _mm512_store_si512(kd + v * 32, _mm512_loadu_si512(kp + v * 32));
+          } else {
+            for (int v = 0; v < NV / 2; ++v) _mm512_store_si512(kd + v * 32, _mm512_setzero_si512());
+          }
+        }
+        for (int v = 0; v < NV; ++v) {
+          const __m256i a = v2[0] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v2[0] + v * 16))
+                                  : _mm256_setzero_si256();
+          const __m256i b = v2[1] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v2[1] + v * 16))
+                                  : _mm256_setzero_si256();
+          _mm512_store_si512(vp + (c / 2) * D + v * 16,
+                             _mm512_permutexvar_epi16(
+                                 pair_up, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)));
+        }
+      }
+      // scores: S^T, 16 keys a tile
+      for (int64_t h = 0; h * 16 < pn; ++h) {
+        _tile_zero(2);
+        _tile_loadd(0, kb + h * 16 * D, D * 2);
+        _tile_dpbf16ps(2, 0, 4);
+        if constexpr (KS > 1) {
+          _tile_loadd(0, kb + h * 16 * D + 32, D * 2);
+          _tile_dpbf16ps(2, 0, 5);
+        }
+        if constexpr (KS > 2) {
+          _tile_loadd(0, kb + h * 16 * D + 64, D * 2);
+          _tile_dpbf16ps(2, 0, 6);
+        }
+        if constexpr (KS > 3) {
+          _tile_loadd(0, kb + h * 16 * D + 96, D * 2);
+          _tile_dpbf16ps(2, 0, 7);
+        }
+        _tile_stored(2, sc + h * 16 * 16, 64);
+      }
+      // softmax down the rows: scale, mask, the chunk's max, rescale what came before
+      __m512 top = mx;
+      for (int64_t c = 0; c < pn; ++c) {
+        const __mmask16 live = _mm512_cmp_epi32_mask(_mm512_set1_epi32(int(p0 + c)), limv,
+                                                     _MM_CMPINT_LE);
+        const __m512 sv = _mm512_mask_mov_ps(ninf, live,
+                                             _mm512_mul_ps(_mm512_load_ps(sc + c * 16), vscale));
+        _mm512_store_ps(sc + c * 16, sv);
+        top = _mm512_max_ps(top, sv);
+      }
+      // every lane sees key 0, so top is finite from the first chunk on
+      const __m512 rescale = bs::exp16(_mm512_sub_ps(mx, top));
+      mx = top;
+      sum = _mm512_mul_ps(sum, rescale);
+      if (_mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.f), _CMP_NEQ_UQ)) {
+        alignas(64) float rs[16];
+        _mm512_store_ps(rs, rescale);
+        for (int64_t l = 0; l < nb; ++l) {   // (idle lanes' rows are never written out)
+          const __m512 r = _mm512_set1_ps(rs[l]);
+          for (int v = 0; v < NV; ++v)
+            _mm512_store_ps(ob + l * D + v * 16,
+                            _mm512_mul_ps(_mm512_load_ps(ob + l * D + v * 16), r));
+        }
+      }
+      for (int64_t c = 0; c < KEYS_AMX; ++c) {
+        __m512 e = _mm512_setzero_ps();
+        if (c < pn) {
+          const __m512 sv = _mm512_load_ps(sc + c * 16);
+          e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ),
+                                  bs::exp16(_mm512_sub_ps(sv, top)));
+          sum = _mm512_add_ps(sum, bs::round16<uint16_t>(e));  // the weights as rounded
+        }
+        _mm512_store_ps(sc + c * 16, e);
+      }
+      // the weights by query: column l of the chunk's rows, in bf16 (an idle lane's row of
+      // the tile is left as it was: it only feeds that lane's row of O)
+      for (int64_t l = 0; l < nb; ++l) {
+        const __m512i idx = _mm512_add_epi32(col, _mm512_set1_epi32(int(l)));
+        const __m512 lo = _mm512_i32gather_ps(idx, sc, 4);
+        const __m512 hi = _mm512_i32gather_ps(idx, sc + 16 * 16, 4);
+        _mm512_store_si512(pw + l * KEYS_AMX, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+      _tile_loadd(0, pw, KEYS_AMX * 2);
+      for (int v = 0; v < NV; ++v) {   // O[:, 16v .. 16v + 15] += P . V[:, 16v .. 16v + 15]
+        _tile_loadd(2, ob + v * 16, D * 4);
+        _tile_loadd(1, vp + v * 16, D * 4);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_stored(2, ob + v * 16, D * 4);
+      }
+    }
+    alignas(64) float tot[16];
+    _mm512_store_ps(tot, sum);
+    for (int64_t l = 0; l < nb; ++l) {
+      const int64_t i = i0 + l, j = i / G, g = i % G;
+      uint16_t* dst = out + ((t0 + j) * Hq + kvh * G + g) * D;
+      const __m512 inv = _mm512_set1_ps(tot[l] > 0.f ? 1.f / tot[l] : 0.f);
+      for (int v = 0; v < NV; ++v)
+        bs::store16(dst + v * 16, _mm512_mul_ps(_mm512_load_ps(ob + l * D + v * 16), inv));
+    }
+  }
+}
+
+BS_AMX void amx_release() { _tile_release(); }
+#endif
+
 template <typename T>
 void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
             int64_t width, const int64_t* rows, int64_t R, int64_t Hq, int64_t Hkv, int64_t D,
@@ -290,6 +509,17 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
       if (D == 64) task = &attend_task_avx512<Raw, 4>;
       if (D == 128) task = &attend_task_avx512<Raw, 8>;
     }
+#ifdef BS_HAVE_AMX_PATH
+    using Amx = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
+                         const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, float);
+    Amx amx = nullptr;
+    if (std::is_same_v<Raw, uint16_t> && task != nullptr && amx_usable()) {
+      if (D == 32) amx = &attend_task_amx<2>;
+      if (D == 64) amx = &attend_task_amx<4>;
+      if (D == 128) amx = &attend_task_amx<8>;
+    }
+#endif
     if (task != nullptr) {
       const Raw* rq = reinterpret_cast<const Raw*>(q);
       const Raw* rk = reinterpret_cast<const Raw*>(kc);
@@ -297,11 +527,26 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
       Raw* ro = reinterpret_cast<Raw*>(out);
       at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qf, acc, mx, sum, kf(CHUNK * D), vf(CHUNK * D);
+        [[maybe_unused]] bool tiles = false;   // this thread's AMX tiles are configured
         for (int64_t t = begin; t < end; ++t) {
           const int64_t r = t / Hkv, kvh = t % Hkv;
+#ifdef BS_HAVE_AMX_PATH
+          if (amx != nullptr && rows[3 * r + 1] * (Hq / Hkv) >= AMX_MIN_QUERIES) {
+            if (!tiles) amx_configure();
+            tiles = true;
+            amx(reinterpret_cast<const uint16_t*>(rq), reinterpret_cast<const uint16_t*>(rk),
+                reinterpret_cast<const uint16_t*>(rv), reinterpret_cast<uint16_t*>(ro),
+                tables + r * width, rows[3 * r], rows[3 * r + 1], rows[3 * r + 2], kvh, Hq,
+                Hkv, block_size, scale);
+            continue;
+          }
+#endif
           task(rq, rk, rv, ro, tables + r * width, rows[3 * r], rows[3 * r + 1],
                rows[3 * r + 2], kvh, Hq, Hkv, block_size, scale, qf, acc, mx, sum, kf, vf);
         }
+#ifdef BS_HAVE_AMX_PATH
+        if (tiles) amx_release();
+#endif
       });
       return;
     }

@@ -233,14 +233,18 @@ def paged_attention_error(D, Hq, Hkv, block_size, dtype, seed=0):
     return worst
 
 
-@pytest.mark.parametrize("portable", [False, True])
-def test_cpu_paged_attention_kernel_equals_direct_attention(portable, monkeypatch):
-    """Both paths of the CPU kernel (AVX-512 where the machine has it, and the portable C++
-    one) against attention computed directly, for head sizes 16-128, GQA groups 1-4, block
-    sizes that do and do not divide the kernel's chunks, fp32 and bf16."""
+@pytest.mark.parametrize("path", ["default", "avx512", "portable"])
+def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
+    """Every path of the CPU kernel against attention computed directly, for head sizes
+    16-128, GQA groups 1-4, block sizes that do and do not divide the kernel's chunks, fp32
+    and bf16: by default AMX tiles for bf16 windows of 6+ query vectors per KV head where the
+    machine has AMX, AVX-512 for the rest where it has that; AVX-512 alone; the portable C++
+    one. (Rows of 1-6 tokens: decodes and windows on both sides of the AMX threshold.)"""
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
-    if portable:
+    if path == "avx512":
+        monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AMX", "0")
+    if path == "portable":
         monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_PORTABLE", "1")
     for D in (16, 64, 128):
         for Hq, Hkv in ((4, 2), (8, 2), (3, 3)):
