@@ -288,11 +288,14 @@ bool avx512_usable() {
 //   scores  S^T [keys x 16 queries] = K [keys x D] . Q^T, the queries' pairs of head
 //           dimensions held in tiles for the whole task; a row of S^T is the 16 queries'
 //           scores of one key, so the softmax runs down rows, 16 queries a vector (fp32);
-//   values  O [16 queries x D] += P [16 queries x keys] . V, the weights rounded to bf16 (as
-//           flash-attention kernels on GPUs round them) and V paired over keys for the tile
-//           (AMX's bf16 layout); O stays fp32 between chunks and is rescaled with the max.
-// Scores, softmax and sums are fp32; the weights' rounding to bf16 is the one change of
-// arithmetic from the path above, inside the bf16 output's own rounding.
+//   values  O [16 queries x D] += P [16 queries x keys] . V, each weight split into a bf16
+//           head and the bf16 of its rest (two tile products; flash-attention kernels on
+//           GPUs round the weights to bf16 once, which here made the greedy tokens of
+//           verification windows disagree with decodes' several times as often) and V paired
+//           over keys for the tile (AMX's bf16 layout); O stays fp32 between chunks and is
+//           rescaled with the max.
+// Scores, softmax and sums are fp32, and the weights exact to 2^-16: the path above's
+// results up to the order of sums.
 constexpr int64_t KEYS_AMX = 32;
 // Query vectors (q_len x G) from which a task takes this path: its cost hardly depends on
 // them, and below this the AVX-512 path, whose cost grows with each, is cheaper (a decode
@@ -321,7 +324,8 @@ bool amx_usable() {
 
 #define BS_AMX __attribute__((target("avx512f,avx512dq,avx512bw,avx512bf16,amx-tile,amx-bf16")))
 
-// Tiles: 0 keys or weights (A), 1 paired values (B), 2-3 scores or an output block (C),
+// Tiles: 0 keys or weights' heads (A), 1 paired values (B), 2 scores or an output block
+// (C), 3 scores (C) or weights' rests (A),
 // 4.. the task's queries (B), one per 32 head dimensions; every tile 16 rows of 64 bytes.
 BS_AMX void amx_configure() {
   TileConfig cfg;
@@ -346,7 +350,7 @@ BS_AMX void attend_task_amx(const uint16_t* q, const uint16_t* kc, const uint16_
   alignas(64) uint16_t kb[KEYS_AMX * D];         // [key][dim]
   alignas(64) uint32_t vp[KEYS_AMX / 2 * D];     // [key pair][dim]: two bf16
   alignas(64) float sc[KEYS_AMX * 16];           // [key][query]
-  alignas(64) uint16_t pw[16 * KEYS_AMX];        // [query][key]: bf16 weights
+  alignas(64) uint16_t pw[2][16 * KEYS_AMX];     // [query][key]: weights, bf16 head + rest
   alignas(64) float ob[16 * D];                  // [query][dim]
   const __m512i pair_up = _mm512_set_epi16(  // (a0, b0, a1, b1, ...) from (a0..a15, b0..b15)
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -456,23 +460,31 @@ BS_AMX void attend_task_amx(const uint16_t* q, const uint16_t* kc, const uint16_
           const __m512 sv = _mm512_load_ps(sc + c * 16);
           e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ),
                                   bs::exp16(_mm512_sub_ps(sv, top)));
-          sum = _mm512_add_ps(sum, bs::round16<uint16_t>(e));  // the weights as rounded
+          sum = _mm512_add_ps(sum, e);
         }
         _mm512_store_ps(sc + c * 16, e);
       }
-      // the weights by query: column l of the chunk's rows, in bf16 (an idle lane's row of
-      // the tile is left as it was: it only feeds that lane's row of O)
+      // the weights by query: column l of the chunk's rows, as a bf16 head and the bf16 of
+      // what it leaves out (together within 2^-16 of the fp32 weight, as good as the path
+      // above); an idle lane's row of the tiles is left as it was: it only feeds that lane's
+      // row of O
       for (int64_t l = 0; l < nb; ++l) {
         const __m512i idx = _mm512_add_epi32(col, _mm512_set1_epi32(int(l)));
-        const __m512 lo = _mm512_i32gather_ps(idx, sc, 4);
-        const __m512 hi = _mm512_i32gather_ps(idx, sc + 16 * 16, 4);
-        _mm512_store_si512(pw + l * KEYS_AMX, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        const __m512 a = _mm512_i32gather_ps(idx, sc, 4);            // keys 0 .. 15
+        const __m512 b = _mm512_i32gather_ps(idx, sc + 16 * 16, 4);  // keys 16 .. 31
+        const __m512 ah = bs::round16<uint16_t>(a), bh = bs::round16<uint16_t>(b);
+        _mm512_store_si512(pw[0] + l * KEYS_AMX, (__m512i)_mm512_cvtne2ps_pbh(bh, ah));
+        _mm512_store_si512(pw[1] + l * KEYS_AMX,
+                           (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh),
+                                                        _mm512_sub_ps(a, ah)));
       }
-      _tile_loadd(0, pw, KEYS_AMX * 2);
+      _tile_loadd(0, pw[0], KEYS_AMX * 2);
+      _tile_loadd(3, pw[1], KEYS_AMX * 2);
       for (int v = 0; v < NV; ++v) {   // O[:, 16v .. 16v + 15] += P . V[:, 16v .. 16v + 15]
         _tile_loadd(2, ob + v * 16, D * 4);
         _tile_loadd(1, vp + v * 16, D * 4);
         _tile_dpbf16ps(2, 0, 1);
+        _tile_dpbf16ps(2, 3, 1);
         _tile_stored(2, ob + v * 16, D * 4);
       }
     }
