@@ -196,14 +196,9 @@ def _kernel_missing() -> bool:
     return load_error(False) is not None
 
 
-def paged_attention_error(D, Hq, Hkv, block_size, dtype, seed=0):
-    """Largest difference between the CPU kernel and fp32 attention computed directly, over
-    ragged rows whose keys end on, just before and just after the kernel's 16- and 64-key
-    edges, in a cache whose blocks are shuffled."""
-    from batchspec.spec._build import load
-    g = torch.Generator().manual_seed(seed)
-    qlens = [1, 5, 2, 1, 3, 6, 1, 4]
-    kvlens = [1, 16, 17, 63, 64, 65, 130, 200]
+def paged_rows(D, Hq, Hkv, block_size, dtype, qlens, kvlens, g, q_scale=1.0):
+    """Ragged rows (qlens new tokens each, kvlens keys) over a paged cache whose blocks are
+    shuffled: (q, k cache, v cache, block tables, the kernel's rows [first, q_len, kv_len])."""
     per_row = [-(-n // block_size) for n in kvlens]
     perm = torch.randperm(sum(per_row), generator=g)
     tables, at = [], 0
@@ -212,9 +207,22 @@ def paged_attention_error(D, Hq, Hkv, block_size, dtype, seed=0):
         at += n
     kc = torch.randn(sum(per_row) * block_size, Hkv, D, generator=g).to(dtype)
     vc = torch.randn(kc.shape, generator=g).to(dtype)
-    q = torch.randn(sum(qlens), Hq, D, generator=g).to(dtype)
+    q = (torch.randn(sum(qlens), Hq, D, generator=g) * q_scale).to(dtype)
     firsts = [sum(qlens[:i]) for i in range(len(qlens))]
     rows = torch.tensor([[f, ql, n] for f, ql, n in zip(firsts, qlens, kvlens)])
+    return q, kc, vc, tables, rows
+
+
+def paged_attention_error(D, Hq, Hkv, block_size, dtype, seed=0):
+    """Largest difference between the CPU kernel and fp32 attention computed directly, over
+    ragged rows whose keys end on, just before and just after the kernel's 16- and 64-key
+    edges, in a cache whose blocks are shuffled."""
+    from batchspec.spec._build import load
+    g = torch.Generator().manual_seed(seed)
+    qlens = [1, 5, 2, 1, 3, 6, 1, 4]
+    kvlens = [1, 16, 17, 63, 64, 65, 130, 200]
+    q, kc, vc, tables, rows = paged_rows(D, Hq, Hkv, block_size, dtype, qlens, kvlens, g)
+    firsts = rows[:, 0].tolist()
     out = torch.zeros_like(q)
     scale = D ** -0.5
     load(False).paged_decode_attention(q, kc, vc, torch.tensor(tables), rows, scale,
@@ -252,6 +260,37 @@ def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
                 for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
                     err = paged_attention_error(D, Hq, Hkv, bs, dt)
                     assert err <= tol, (D, Hq, Hkv, bs, dt, err)
+
+
+def test_amx_attention_agrees_with_the_avx512_path(monkeypatch):
+    """On a CPU with AMX, bf16 verification windows take the tile path: it must agree with
+    the AVX-512 path up to the order of sums (fewer than 1% of outputs differ, none by a bf16
+    step of its head's largest value), not merely sit within tolerance of fp32 attention.
+    Its weights rounded to bf16 once, as GPU flash kernels round them, differ in over a
+    quarter of the outputs, and greedy tokens of windows then disagree with decodes' several
+    times as often (docs/benchmarks.md)."""
+    from batchspec.spec._build import load
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if "amx_bf16" not in flags:
+        pytest.skip("no AMX on this CPU")
+    op = load(False).paged_decode_attention
+    g = torch.Generator().manual_seed(0)
+    for D, Hq, Hkv in ((64, 4, 2), (128, 8, 2), (32, 3, 3)):
+        bs = 16
+        q, kc, vc, tables, rows = paged_rows(D, Hq, Hkv, bs, torch.bfloat16, [3, 5, 6, 4, 5],
+                                             [40, 100, 200, 700, 65], g, q_scale=2.0)
+        outs = []
+        for amx in ("1", "0"):
+            monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AMX", amx)
+            out = torch.zeros_like(q)
+            op(q, kc, vc, torch.tensor(tables), rows, D ** -0.5, bs, out)
+            outs.append(out.float())
+        tiles, avx = outs
+        assert (tiles != avx).float().mean().item() < 0.01, (D, Hq, Hkv)
+        head_max = torch.maximum(tiles.abs().amax(-1), avx.abs().amax(-1))
+        assert ((tiles - avx).abs().amax(-1) < head_max * 2 ** -8).all(), (D, Hq, Hkv)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -306,8 +306,10 @@ class SpecPolicy:
         # pay their catch-up for a few steps); the lead is still weighed on the plan over
         # every row, which is what speculation makes once it leads and the drafts keep up.
         skip = self._behind(rows, num_rows) if self._winner is False else set()
-        full = self._plan(rows, classes, set(), num_rows)
-        plan = self._plan(rows, classes, skip, num_rows) if skip else full
+        probs = [self.depth_probs(seq, source, n, classes[i] if classes is not None else None)
+                 for i, (seq, source, n, _) in enumerate(rows)]
+        full = self._plan(rows, probs, set(), num_rows)
+        plan = self._plan(rows, probs, skip, num_rows) if skip else full
         spec_n, _, spec_tokens, spec_s, order, row, depth = plan
         spec_rate = full[1]
         spec_c, plain_c = spec_rate / self._slowdown(True), plain_rate / self._slowdown(False)
@@ -363,19 +365,18 @@ class SpecPolicy:
                                              1e-12), False)
         return True
 
-    def _plan(self, rows: list[tuple[Sequence, str, int, bool]],
-              classes: list[list[int] | None] | None, skip: set[int], num_rows: int):
-        """The best speculating plan over rows not in skip: (slots admitted, its expected
-        tokens per second, tokens, seconds, slot order, each slot's row, each slot's
-        depth); 0 slots when no row may draft."""
+    def _plan(self, rows: list[tuple[Sequence, str, int, bool]], probs: list[list[float]],
+              skip: set[int], num_rows: int):
+        """The best speculating plan over rows not in skip, given each row's depth_probs:
+        (slots admitted, its expected tokens per second, tokens, seconds, slot order, each
+        slot's row, each slot's depth); 0 slots when no row may draft."""
         costs = self.costs
         survive, depth, row = [], [], []
-        for i, (seq, source, n, _) in enumerate(rows):
+        for i, row_probs in enumerate(probs):
             if i in skip:
                 continue
             sp = 1.0
-            row_classes = classes[i] if classes is not None else None
-            for d, p in enumerate(self.depth_probs(seq, source, n, row_classes)):
+            for d, p in enumerate(row_probs):
                 sp *= p
                 survive.append(sp)
                 depth.append(d)
@@ -447,10 +448,10 @@ class SpecPolicy:
         """Predicted / measured tokens per second of recent steps of this side (plain or
         speculating): what the start-up costs and the acceptance estimates leave out
         (sampling, verification, the drafts' catch-up, bookkeeping, optimism in the slots
-        chosen, a busier machine). A ratio of averages (tokens and seconds averaged apart), not an average of
-        ratios: a speculating step's tokens vary from 1 to k+1 a row, and at small batches an
-        average of per-step ratios would overstate the slowdown by far. A side not yet
-        measured borrows the other's."""
+        chosen, a busier machine). A ratio of averages (tokens and seconds averaged apart),
+        not an average of ratios: a speculating step's tokens vary from 1 to k+1 a row, and
+        at small batches an average of per-step ratios would overstate the slowdown by far.
+        A side not yet measured borrows the other's."""
         m = self.measured.get(speculate) or self.measured.get(not speculate)
         if m is None:
             return 1.0
