@@ -4,9 +4,11 @@ take turns `--repeats` times within each shape, in one process; the fastest of e
 reported.
 
 --compare attention (default): attention of short rows through the C++ paged kernel
-(kernels/paged_attention_cpu.cpp) by its default paths (AMX tiles for bf16 windows of 6+
-query vectors per KV head, where the CPU has AMX; AVX-512 for the rest), by AVX-512 alone, by
-its portable path, and through gather + SDPA (grouped matmuls in bf16).
+(kernels/paged_attention_cpu.cpp) by its default paths (AMX tiles for bf16 where the CPU has
+AMX; AVX-512 for the rest), by AVX-512 alone, by its portable path, and through gather + SDPA
+(grouped matmuls in bf16).
+--compare linear: the linear layers as the C++ op on AMX tiles (kernels/linear_cpu.cpp)
+against oneDNN on prepacked weights (bf16, CPUs with AMX).
 --compare rmsnorm: the fused C++ RMSNorm (kernels/fused_cpu.cpp, residual add included)
 against the torch ops it replaces.
 --compare fused: every fused C++ op of a layer (RMSNorm, SwiGLU's silu(gate) * up, RoPE of q
@@ -15,6 +17,7 @@ and k), RMSNorm alone fused, and the torch ops.
     python benchmarks/bench_attention.py --model target --ctx 160,700
     python benchmarks/bench_attention.py --compare rmsnorm --model target,draft --ctx 160 --q 1,5
     python benchmarks/bench_attention.py --compare fused --model target,draft --ctx 160 --q 1,5
+    python benchmarks/bench_attention.py --compare linear --model target,draft --ctx 160 --q 1,5
 """
 from __future__ import annotations
 
@@ -76,9 +79,26 @@ def fused_paths(runner):
             "torch ops": use(None, False)}
 
 
+def linear_paths(runner):
+    if runner.model.weight_layout != "amx":
+        sys.exit("the AMX linear op is unavailable here (bf16 on a CPU with AMX tiles only)")
+    os.environ["BATCHSPEC_CPU_LINEAR"] = "onednn"
+    other = ModelRunner(runner.path, "cpu", str(runner.model.dtype).removeprefix("torch."))
+    del os.environ["BATCHSPEC_CPU_LINEAR"]
+    assert other.model.weight_layout == "onednn"
+
+    def use(model):
+        def setup():
+            runner.model.layers, runner.model.lm_head = model.layers, model.lm_head
+        return setup
+    mine = type("Weights", (), {"layers": runner.model.layers, "lm_head": runner.model.lm_head})
+    return {"AMX linear op": use(mine), "oneDNN": use(other.model)}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", choices=["attention", "rmsnorm", "fused"], default="attention")
+    ap.add_argument("--compare", choices=["attention", "rmsnorm", "fused", "linear"],
+                    default="attention")
     ap.add_argument("--model", default="target", help="demo models, comma-separated")
     ap.add_argument("--ctx", default="160,700")
     ap.add_argument("--batch-sizes", default="1,8,32,64")
@@ -90,8 +110,8 @@ def main():
     for name in args.model.split(","):
         runner = ModelRunner(demo_models()[name], "cpu", args.dtype)
         runner.allocate_kv_cache(8192, 16)
-        paths = {"attention": attention_paths, "rmsnorm": rmsnorm_paths,
-                 "fused": fused_paths}[args.compare](runner)
+        paths = {"attention": attention_paths, "rmsnorm": rmsnorm_paths, "fused": fused_paths,
+                 "linear": linear_paths}[args.compare](runner)
         print(f"{name}, {args.dtype}, 1 thread: forward ms, " + " / ".join(paths))
         for ctx in map(int, args.ctx.split(",")):
             for b in map(int, args.batch_sizes.split(",")):

@@ -1,7 +1,8 @@
 """The CPU ops behind the engine's CPU choices, one thread:
 
-1. linear layers, `F.linear` vs weights prepacked for oneDNN (batchspec.models.llama), with
-   the weights cycled through 48 MB so that they come from memory, as in decoding;
+1. linear layers, `F.linear` vs weights prepacked for oneDNN vs (bf16, CPUs with AMX) the
+   C++ op on AMX tiles (batchspec.models.llama, kernels/linear_cpu.cpp), with the weights
+   cycled through 48 MB so that they come from memory, as in decoding;
 2. attention of 32 short rows (4 query / 2 KV heads, head dim 64, 208 keys), SDPA vs the
    grouped matmuls batchspec uses for bf16 on CPU (batchspec.layers.attention).
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec.layers.attention import _grouped_attention  # noqa: E402
-from batchspec.models.llama import linear, prepack  # noqa: E402
+from batchspec.models.llama import linear, prepack, weight_packer  # noqa: E402
 
 
 def per_call_us(fn, args_list, rounds=3):
@@ -33,14 +34,19 @@ def per_call_us(fn, args_list, rounds=3):
 
 def main():
     torch.set_num_threads(1)
-    print("weight [out x in]  dtype     rows  F.linear us  prepacked us")
+    layout, pack_amx = weight_packer(torch.bfloat16, torch.device("cpu"))
+    print("weight [out x in]  dtype     rows  F.linear us  prepacked us  AMX op us")
     for (n, k), dt, rows in [((1536, 256), torch.bfloat16, 1), ((1536, 256), torch.bfloat16, 5),
+                             ((1536, 256), torch.bfloat16, 32), ((1536, 256), torch.bfloat16, 160),
                              ((4096, 256), torch.bfloat16, 5), ((4096, 256), torch.float32, 5)]:
         ws = [torch.randn(n, k, dtype=dt) for _ in range(max(4, (48 << 20) // (n * k * 2)))]
         x = torch.randn(rows, k, dtype=dt)
         plain = per_call_us(F.linear, [(x, w) for w in ws])
         packed = per_call_us(linear, [(x, prepack(w)) for w in ws])
-        print(f"{n:>5} x {k:<9} {str(dt)[6:]:<9} {rows:>4} {plain:>12.1f} {packed:>13.1f}")
+        amx = per_call_us(linear, [(x, pack_amx(w)) for w in ws]) \
+            if layout == "amx" and dt == torch.bfloat16 else None
+        print(f"{n:>5} x {k:<9} {str(dt)[6:]:<9} {rows:>4} {plain:>12.1f} {packed:>13.1f} "
+              f"{'-' if amx is None else f'{amx:.1f}':>10}")
     B, hq, hkv, nq, ctx, d = 32, 4, 2, 1, 208, 64
     mask = (torch.rand(B, 1, nq, ctx) > 0.1)
     print(f"\nattention, {B} rows x {nq} query, {ctx} keys: SDPA us / grouped matmuls us")

@@ -111,3 +111,47 @@ inline bool avx512_usable() {
 
 }  // namespace bs
 #endif
+
+// AMX tiles (Intel Sapphire Rapids and later; Linux, GCC 11+): the tile configuration and the
+// permission to use them
+#if defined(BS_HAVE_AVX512_PATH) && defined(__linux__) && !defined(__clang__) && __GNUC__ >= 11
+#define BS_HAVE_AMX_TILES 1
+#include <sys/syscall.h>   // arch_prctl: permission to use AMX tiles
+#include <unistd.h>
+
+namespace bs {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this CPU has AMX-BF16 (and the AVX-512 the tile paths use beside it), and Linux
+// (5.16+) lets this process use the tiles; asked once per process
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl") || !avx512_usable())
+      return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows of 64 bytes (what the tile paths use), in this thread
+__attribute__((target("amx-tile"))) inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  // GCC does not see ldtilecfg read the struct and drops the stores above without this
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+}  // namespace bs
+#endif

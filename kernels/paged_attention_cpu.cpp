@@ -5,8 +5,8 @@
 // One task per (row, KV head): the row's q_len x G query heads that read this KV head walk
 // the row's keys once, through its block table, with an online softmax in fp32. Causal: query
 // j of a row with kv_len keys (its new tokens included) sees positions 0 .. kv_len - q_len + j.
-// Paths: portable C++; AVX-512 (x86-64); AMX tiles for bf16 tasks of many queries
-// (verification windows) on CPUs that have them.
+// Paths: portable C++; AVX-512 (x86-64); AMX tiles for every bf16 task on CPUs that have
+// them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -23,11 +23,6 @@
 #include <vector>
 
 #include "cpu_simd.h"
-
-#ifdef __linux__
-#include <sys/syscall.h>   // arch_prctl: permission to use AMX tiles
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -279,7 +274,7 @@ bool avx512_usable() {
 }
 #endif
 
-#if defined(BS_HAVE_AVX512_PATH) && defined(__linux__) && !defined(__clang__) && __GNUC__ >= 11
+#if defined(BS_HAVE_AMX_TILES)
 #define BS_HAVE_AMX_PATH 1
 
 // bf16 on CPUs with AMX (Intel Sapphire Rapids and later): a task's products as tile matrix
@@ -296,30 +291,17 @@ bool avx512_usable() {
 //           rescaled with the max.
 // Scores, softmax and sums are fp32, and the weights exact to 2^-16: the path above's
 // results up to the order of sums.
+// A query's result depends only on its own keys: the same whichever other queries share its
+// task. So every bf16 task takes this path, decodes too, and a token verified in a window
+// gets the very sums it gets decoded alone (on the AVX-512 path for decodes, which sums in
+// another order, bf16 greedy tokens of windows disagreed with decodes' in 1-3 of 64 rows;
+// decode forwards cost the same within 7% either way, docs/benchmarks.md).
 constexpr int64_t KEYS_AMX = 32;
-// Query vectors (q_len x G) from which a task takes this path: its cost hardly depends on
-// them, and below this the AVX-512 path, whose cost grows with each, is cheaper (a decode
-// step's task has G; a verification window of 5 tokens, 5 G).
-constexpr int64_t AMX_MIN_QUERIES = 6;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// AMX needs the kernel's permission per process (Linux 5.16+); BATCHSPEC_CPU_ATTENTION_AMX=0
-// turns the path off (read on every call, as the switch above)
+// BATCHSPEC_CPU_ATTENTION_AMX=0 turns the path off (read on every call, as the switch above)
 bool amx_usable() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
-        !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw"))
-      return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
   const char* env = std::getenv("BATCHSPEC_CPU_ATTENTION_AMX");
-  return ok && avx512_usable() && (env == nullptr || std::strcmp(env, "0") != 0);
+  return bs::amx_permitted() && avx512_usable() && (env == nullptr || std::strcmp(env, "0") != 0);
 }
 
 #define BS_AMX __attribute__((target("avx512f,avx512dq,avx512bw,avx512bf16,amx-tile,amx-bf16")))
@@ -327,16 +309,6 @@ bool amx_usable() {
 // Tiles: 0 keys or weights' heads (A), 1 paired values (B), 2 scores or an output block
 // (C), 3 scores (C) or weights' rests (A),
 // 4.. the task's queries (B), one per 32 head dimensions; every tile 16 rows of 64 bytes.
-BS_AMX void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  // GCC does not see ldtilecfg read the struct and drops the stores above without this
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
 
 template <int NV>
 BS_AMX void attend_task_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
@@ -543,8 +515,8 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
         for (int64_t t = begin; t < end; ++t) {
           const int64_t r = t / Hkv, kvh = t % Hkv;
 #ifdef BS_HAVE_AMX_PATH
-          if (amx != nullptr && rows[3 * r + 1] * (Hq / Hkv) >= AMX_MIN_QUERIES) {
-            if (!tiles) amx_configure();
+          if (amx != nullptr) {
+            if (!tiles) bs::configure_tiles();
             tiles = true;
             amx(reinterpret_cast<const uint16_t*>(rq), reinterpret_cast<const uint16_t*>(rk),
                 reinterpret_cast<const uint16_t*>(rv), reinterpret_cast<uint16_t*>(ro),

@@ -96,20 +96,21 @@ def test_model_without_tokenizer_takes_token_ids(tmp_path):
         llm.generate(["text"], use_tqdm=False)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prepacked_weights_give_the_plain_products(arch_model, dtype, monkeypatch):
-    """On CPU the linear weights are reordered for oneDNN at load; the logits equal those of
-    F.linear on the same weights (BATCHSPEC_CPU_PREPACK=0), for prefill and decode rows."""
-    from batchspec.models.llama import prepack_available
-    if not prepack_available(getattr(torch, dtype), torch.device("cpu")):
-        pytest.skip("oneDNN weight prepacking is not available in this torch build")
+@pytest.mark.parametrize("dtype,layout", [("float32", "onednn"), ("bfloat16", "onednn"),
+                                          ("bfloat16", "amx")])
+def test_packed_weights_give_the_plain_products(arch_model, dtype, layout, monkeypatch):
+    """On CPU the linear weights are packed at load (oneDNN's blocked layout, or AMX tiles' for
+    bf16 on CPUs with them); the logits equal those of F.linear on the same weights
+    (BATCHSPEC_CPU_PREPACK=0), for prefill and decode rows."""
     ids = list(range(3, 40))
     logits = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("BATCHSPEC_CPU_PREPACK", flag)
+        monkeypatch.setenv("BATCHSPEC_CPU_LINEAR", layout)
         runner = ModelRunner(arch_model, "cpu", dtype)
-        assert runner.model.weights_prepacked == (flag == "1")
-        assert runner.model.layers[0]["qkv"].is_mkldnn == (flag == "1")
+        if flag == "1" and runner.model.weight_layout != layout:
+            pytest.skip(f"{layout} packing is not available here")
+        assert runner.model.weight_layout == (layout if flag == "1" else "none")
         runner.allocate_kv_cache(num_blocks=16, block_size=4)
         seq = Sequence(0, "0", ids, SamplingParams(), seed=0)
         BlockManager(16, 4).allocate(seq, len(ids))
@@ -119,6 +120,39 @@ def test_prepacked_weights_give_the_plain_products(arch_model, dtype, monkeypatc
     tol = 1e-4 if dtype == "float32" else 0.15  # bf16: a few roundings of logits ~ 10
     torch.testing.assert_close(logits["1"], logits["0"], atol=tol, rtol=0)
     assert (logits["1"].argmax(-1) == logits["0"].argmax(-1)).float().mean() > 0.9
+
+
+def _amx_linear_ops():
+    from batchspec.spec._build import load
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    ops = load(False)
+    if not ops.linear_amx_available():
+        pytest.skip("no AMX tiles on this CPU (or not permitted)")
+    return ops
+
+
+def test_amx_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
+    """kernels/linear_cpu.cpp: x . W^T (+ b) to within bf16's rounding of the fp32 product, for
+    widths that are and are not whole tiles (32 inputs, 16 outputs), with and without a bias;
+    and each row's result bit for bit the same whether it is computed alone, in a window of 5
+    rows or among 200 (what keeps a verification window's products those of decode steps)."""
+    ops = _amx_linear_ops()
+    g = torch.Generator().manual_seed(0)
+    for n, k, bias in ((512, 256, False), (37, 50, True), (4096, 192, False), (16, 32, True)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+        packed = ops.pack_linear_weight(w)
+        x = torch.randn(200, k, generator=g).to(torch.bfloat16)
+        y = ops.linear_packed(x, packed, k, n, b)
+        ref = x.float() @ w.float().T + (b.float() if bias else 0)
+        # one rounding to bf16 (2^-8 relative) plus the order of fp32 sums
+        assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-3 * k ** 0.5).all(), (n, k)
+        for rows in (slice(0, 1), slice(7, 12), slice(3, 20), slice(150, 200)):
+            assert torch.equal(ops.linear_packed(x[rows], packed, k, n, b), y[rows]), (n, k, rows)
+        assert ops.linear_packed(x[:0], packed, k, n, b).shape == (0, n)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_packed(x[:, :-1], packed, k, n, None)
 
 
 def test_grouped_attention_equals_sdpa():
@@ -241,19 +275,24 @@ def paged_attention_error(D, Hq, Hkv, block_size, dtype, seed=0):
     return worst
 
 
-@pytest.mark.parametrize("path", ["default", "avx512", "portable"])
-def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
-    """Every path of the CPU kernel against attention computed directly, for head sizes
-    16-128, GQA groups 1-4, block sizes that do and do not divide the kernel's chunks, fp32
-    and bf16: by default AMX tiles for bf16 windows of 6+ query vectors per KV head where the
-    machine has AMX, AVX-512 for the rest where it has that; AVX-512 alone; the portable C++
-    one. (Rows of 1-6 tokens: decodes and windows on both sides of the AMX threshold.)"""
+def use_attention_path(path, monkeypatch):
+    """The CPU kernel's path `path` (default, avx512 or portable) for this test."""
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
     if path == "avx512":
         monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AMX", "0")
     if path == "portable":
         monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_PORTABLE", "1")
+
+
+@pytest.mark.parametrize("path", ["default", "avx512", "portable"])
+def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
+    """Every path of the CPU kernel against attention computed directly, for head sizes
+    16-128, GQA groups 1-4, block sizes that do and do not divide the kernel's chunks, fp32
+    and bf16, rows of 1-6 tokens: by default AMX tiles for bf16 where the machine has AMX
+    (head sizes 32-128), AVX-512 for the rest where it has that; AVX-512 alone; the portable
+    C++ one."""
+    use_attention_path(path, monkeypatch)
     for D in (16, 64, 128):
         for Hq, Hkv in ((4, 2), (8, 2), (3, 3)):
             for bs in (16, 5):
@@ -262,9 +301,31 @@ def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
                     assert err <= tol, (D, Hq, Hkv, bs, dt, err)
 
 
+@pytest.mark.parametrize("path", ["default", "avx512", "portable"])
+def test_a_query_attends_alike_in_a_window_and_decoded_alone(path, monkeypatch):
+    """Each query of a verification window gets, bit for bit, the attention it gets as a
+    decode step of its own (same keys, same cache), in bf16 and fp32, beside other rows: what
+    lets a speculative run's greedy tokens be plain decoding's in bf16 too."""
+    from batchspec.spec._build import load
+    use_attention_path(path, monkeypatch)
+    op = load(False).paged_decode_attention
+    g = torch.Generator().manual_seed(0)
+    for D, Hq, Hkv in ((64, 4, 2), (128, 8, 2), (32, 3, 3)):
+        for dt in (torch.bfloat16, torch.float32):
+            bs, W, n = 16, 5, 150
+            q, kc, vc, tables, rows = paged_rows(D, Hq, Hkv, bs, dt, [W, 3], [n, 70], g)
+            window = torch.zeros_like(q)
+            op(q, kc, vc, torch.tensor(tables), rows, D ** -0.5, bs, window)
+            alone = torch.zeros_like(q[:W])
+            decodes = torch.tensor([[j, 1, n - W + 1 + j] for j in range(W)])
+            op(q[:W].contiguous(), kc, vc, torch.tensor([tables[0]] * W), decodes, D ** -0.5,
+               bs, alone)
+            assert torch.equal(window[:W], alone), (path, D, Hq, Hkv, dt)
+
+
 def test_amx_attention_agrees_with_the_avx512_path(monkeypatch):
-    """On a CPU with AMX, bf16 verification windows take the tile path: it must agree with
-    the AVX-512 path up to the order of sums (fewer than 1% of outputs differ, none by a bf16
+    """On a CPU with AMX, bf16 attention takes the tile path: it must agree with the AVX-512
+    path up to the order of sums (fewer than 1% of outputs differ, none by a bf16
     step of its head's largest value), not merely sit within tolerance of fp32 attention.
     Its weights rounded to bf16 once, as GPU flash kernels round them, differ in over a
     quarter of the outputs, and greedy tokens of windows then disagree with decodes' several
