@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -32,7 +33,9 @@ namespace {
 
 constexpr int64_t K_TILE = 32;    // inputs per tile product (bf16 pairs: 16 rows of 64 bytes)
 constexpr int64_t N_BLOCK = 16;   // output features per block of the packed weight
-constexpr int64_t ROW_CHUNK = 128;  // rows of x whose products run over all features in turn
+// Rows of x whose products run over all features in turn: as many as fill half of L1 (32
+// KB), since the tiles read them again for every pair of feature blocks; at least 32
+inline int64_t row_chunk(int64_t Kp) { return std::max<int64_t>(32, (16384 / Kp) / 32 * 32); }
 
 // [N, K] -> the packed layout above (any CPU: it is plain indexing)
 at::Tensor pack_linear_weight(const at::Tensor& w) {
@@ -52,26 +55,33 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
 
 // Tiles: 0, 1 rows of x (A); 2, 3 blocks of the weight (B); 4..7 blocks of y (C).
 
-// 16 fp32 values to bf16 (to nearest even) at y, the first `count` of them
-BS_AMX_LINEAR inline void store_row(uint16_t* y, const float* c, const float* bias,
-                                    int64_t count) {
+// 16 fp32 values rounded to bf16 (to nearest even) at y, the first `count` of them: as bf16
+// (Out uint16_t), or as the fp32 values of those bf16 numbers (Out float: what .float() of
+// the bf16 result gives, without a second pass over it)
+template <typename Out>
+BS_AMX_LINEAR inline void store_row(Out* y, const float* c, const float* bias, int64_t count) {
   __m512 v = _mm512_load_ps(c);
   if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
   const __mmask16 mask = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
-  _mm256_mask_storeu_epi16(y, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  if constexpr (std::is_same_v<Out, float>)
+    _mm512_mask_storeu_epi32(y, mask, _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  else
+    _mm256_mask_storeu_epi16(y, mask, b);
 }
 
 // Features' blocks [nb0, nb1) of y. rows(r): the address of x's row r, r a multiple of 16
 // (16 rows at a stride of lda elements from there); bias fp32 [Np] or null.
-template <typename Rows>
+template <typename Rows, typename Out>
 BS_AMX_LINEAR void linear_blocks(Rows rows, int64_t M, int64_t Kp, const uint16_t* wp,
-                                 int64_t nb0, int64_t nb1, const float* bias, uint16_t* y,
+                                 int64_t nb0, int64_t nb1, const float* bias, Out* y,
                                  int64_t N) {
   bs::configure_tiles();
   alignas(64) float c[4][16 * 16];
   const int64_t kt = Kp / K_TILE, block = Kp / 2 * 32;   // elements of one packed block
-  for (int64_t mc = 0; mc < M; mc += ROW_CHUNK) {
-    const int64_t mend = std::min(M, mc + ROW_CHUNK);
+  const int64_t chunk = row_chunk(Kp);
+  for (int64_t mc = 0; mc < M; mc += chunk) {
+    const int64_t mend = std::min(M, mc + chunk);
     for (int64_t nb = nb0; nb < nb1; nb += 2) {
       const bool two = nb + 1 < nb1;
       const uint16_t* b0 = wp + nb * block;
@@ -117,9 +127,11 @@ BS_AMX_LINEAR void linear_blocks(Rows rows, int64_t M, int64_t Kp, const uint16_
 #endif
 
 // x [..., in_features] bf16 -> [..., out_features]; packed from pack_linear_weight of
-// [out_features, in_features]
+// [out_features, in_features]. float_out: the result as fp32 (each value still rounded to
+// bf16), for logits, which the engine reads in fp32
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
-                         int64_t out_features, const std::optional<at::Tensor>& bias) {
+                         int64_t out_features, const std::optional<at::Tensor>& bias,
+                         bool float_out) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
                   packed.dim() == 4 && packed.is_contiguous(),
               "linear_packed: bf16 input and a weight from pack_linear_weight");
@@ -133,7 +145,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t M = x2.size(0), N = out_features;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  auto y = at::empty(shape, x.options());
+  auto y = at::empty(shape, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   std::vector<float> b;
   if (bias.has_value()) {
@@ -155,14 +167,17 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
     return {pad.data() + (r - whole) * Kp, Kp};
   };
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const float* bp = b.empty() ? nullptr : b.data();
   // pairs of feature blocks per task: about a million products each, so that small calls
   // stay on one thread
   const int64_t pairs = (NB + 1) / 2;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / ((M + 15) / 16 * 16 * Kp * 32));
   at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
-    linear_blocks(rows, M, Kp, wp, 2 * p0, std::min(2 * p1, NB), bp, yp, N);
+    if (float_out)
+      linear_blocks(rows, M, Kp, wp, 2 * p0, std::min(2 * p1, NB), bp, y.data_ptr<float>(), N);
+    else
+      linear_blocks(rows, M, Kp, wp, 2 * p0, std::min(2 * p1, NB), bp,
+                    reinterpret_cast<uint16_t*>(y.data_ptr()), N);
   });
   return y;
 #else
@@ -183,7 +198,7 @@ bool linear_amx_available() {
 TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor packed, int in_features, int out_features, "
-        "Tensor? bias) -> Tensor");
+        "Tensor? bias, bool float_out=False) -> Tensor");
   m.def("linear_amx_available() -> bool", &linear_amx_available);
 }
 

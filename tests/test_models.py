@@ -136,7 +136,8 @@ def test_amx_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
     """kernels/linear_cpu.cpp: x . W^T (+ b) to within bf16's rounding of the fp32 product, for
     widths that are and are not whole tiles (32 inputs, 16 outputs), with and without a bias;
     and each row's result bit for bit the same whether it is computed alone, in a window of 5
-    rows or among 200 (what keeps a verification window's products those of decode steps)."""
+    rows or among 200 (what keeps a verification window's products those of decode steps);
+    its fp32 output (for logits) the bf16 result's values."""
     ops = _amx_linear_ops()
     g = torch.Generator().manual_seed(0)
     for n, k, bias in ((512, 256, False), (37, 50, True), (4096, 192, False), (16, 32, True)):
@@ -151,6 +152,8 @@ def test_amx_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
         for rows in (slice(0, 1), slice(7, 12), slice(3, 20), slice(150, 200)):
             assert torch.equal(ops.linear_packed(x[rows], packed, k, n, b), y[rows]), (n, k, rows)
         assert ops.linear_packed(x[:0], packed, k, n, b).shape == (0, n)
+        # fp32 out (logits): the same bf16 values, without a pass to convert them
+        assert torch.equal(ops.linear_packed(x, packed, k, n, b, True), y.float())
     with pytest.raises(RuntimeError, match="does not match"):
         ops.linear_packed(x[:, :-1], packed, k, n, None)
 

@@ -281,8 +281,13 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden] -> logits [n, vocab] in fp32 (on rank 0; None on the others)."""
-        logits = self.tp.gather_first(linear(hidden, self.lm_head))
-        return None if logits is None else logits[:, :self.cfg.vocab_size].float()
+        if isinstance(self.lm_head, AmxWeight):  # fp32 (of bf16 values) straight from the op
+            w = self.lm_head
+            local = w.op(hidden, w.packed, w.in_features, w.out_features, None, True)
+        else:
+            local = linear(hidden, self.lm_head)
+        logits = self.tp.gather_first(local)
+        return None if logits is None else logits[:, :self.cfg.vocab_size].float().contiguous()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device):
         """Per layer (k, v), each [num_blocks * block_size, H_kv, D] (this rank's KV heads)."""
