@@ -48,7 +48,7 @@ def attention_paths(runner):
                 else:
                     os.environ.pop(name, None)
         return setup
-    return {"kernel (AMX + AVX-512)": use(kernel, False), "AVX-512 kernel": use(kernel, False,
+    return {"kernel (AMX tiles)": use(kernel, False), "AVX-512 kernel": use(kernel, False,
                                                                               amx=False),
             "portable kernel": use(kernel, True), "gather + SDPA": use(False, False)}
 

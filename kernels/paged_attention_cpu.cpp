@@ -295,7 +295,7 @@ bool avx512_usable() {
 // task. So every bf16 task takes this path, decodes too, and a token verified in a window
 // gets the very sums it gets decoded alone (on the AVX-512 path for decodes, which sums in
 // another order, bf16 greedy tokens of windows disagreed with decodes' in 1-3 of 64 rows;
-// decode forwards cost the same within 7% either way, docs/benchmarks.md).
+// decode forwards cost 0-18% more on tiles, most at 32-64 rows, docs/benchmarks.md).
 constexpr int64_t KEYS_AMX = 32;
 
 // BATCHSPEC_CPU_ATTENTION_AMX=0 turns the path off (read on every call, as the switch above)
