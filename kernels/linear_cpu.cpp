@@ -182,6 +182,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 #else
   TORCH_CHECK(false, "linear_packed: built without AMX tiles");
+  return {};
 #endif
 }
 
