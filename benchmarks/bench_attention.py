@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -91,7 +92,7 @@ def linear_paths(runner):
         def setup():
             runner.model.layers, runner.model.lm_head = model.layers, model.lm_head
         return setup
-    mine = type("Weights", (), {"layers": runner.model.layers, "lm_head": runner.model.lm_head})
+    mine = SimpleNamespace(layers=runner.model.layers, lm_head=runner.model.lm_head)
     return {"AMX linear op": use(mine), "oneDNN": use(other.model)}
 
 

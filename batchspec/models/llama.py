@@ -46,9 +46,12 @@ def prepack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, PREPACK_BATCH_HINT)
 
 
-def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None,
+           float_out: bool = False) -> torch.Tensor:
+    """x . w^T (+ b) in x's dtype. float_out: the caller wants fp32 (logits); the AMX op then
+    writes its bf16-rounded values as fp32 directly, the others leave the conversion to it."""
     if isinstance(w, AmxWeight):
-        return w.op(x, w.packed, w.in_features, w.out_features, b)
+        return w.op(x, w.packed, w.in_features, w.out_features, b, float_out)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
@@ -168,7 +171,6 @@ class LlamaForCausalLM(nn.Module):
             return weights.get(name, dim, *rows).to(device=device, dtype=dtype)
 
         self.weight_layout, pack = weight_packer(dtype, device)
-        self.weights_prepacked = self.weight_layout != "none"
         v0, v1, v_rows = tp.vocab_part(cfg.vocab_size)
         self.vocab_start = v0
 
@@ -281,12 +283,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden] -> logits [n, vocab] in fp32 (on rank 0; None on the others)."""
-        if isinstance(self.lm_head, AmxWeight):  # fp32 (of bf16 values) straight from the op
-            w = self.lm_head
-            local = w.op(hidden, w.packed, w.in_features, w.out_features, None, True)
-        else:
-            local = linear(hidden, self.lm_head)
-        logits = self.tp.gather_first(local)
+        logits = self.tp.gather_first(linear(hidden, self.lm_head, float_out=True))
         return None if logits is None else logits[:, :self.cfg.vocab_size].float().contiguous()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device):
