@@ -417,3 +417,29 @@ def test_speculating_steps_whose_drafts_catch_up_are_measured(tiny_llama):
         engine.step()
     k = llm.engine.config.num_speculative_tokens
     assert any(lag > k + 1 for lag in seen)    # a step that caught a prompt up, measured
+
+
+def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
+    """The engine asks plain_step first and weighs plans (choose_lengths) only when it says
+    no. Speculation far behind: plans are weighed every MAX_EXPLORE steps and a try starts at
+    FAR_EXPLORE; close behind: at the try interval. Steps in between cost nothing extra."""
+    from batchspec.spec.policy import EXPLORE, FAR_EXPLORE, MAX_EXPLORE, TRY_STEPS
+    for spec_slowdown in (8.0, 4.5):   # the model's 4x lead measured away: far, close behind
+        policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+        seqs = rows_with(policy, 4, "d", 0.9)
+        set_slowdowns(policy, spec_slowdown, 1.0)
+        policy._winner, policy._far = False, spec_slowdown > 5
+        weighed, tried = [], []
+        for step in range(1, FAR_EXPLORE + TRY_STEPS + 2):
+            if policy.plain_step(seqs, 4):
+                continue
+            weighed.append(step)
+            if any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)):
+                tried.append(step)
+        if policy._far:
+            try_steps = list(range(FAR_EXPLORE, FAR_EXPLORE + TRY_STEPS + 1))
+            assert tried == try_steps
+            assert weighed == [*range(MAX_EXPLORE, FAR_EXPLORE, MAX_EXPLORE), *try_steps]
+        else:
+            assert tried[:TRY_STEPS + 1] == list(range(EXPLORE, EXPLORE + TRY_STEPS + 1))
+            assert len(weighed) < FAR_EXPLORE // EXPLORE

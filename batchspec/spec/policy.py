@@ -147,6 +147,7 @@ class SpecPolicy:
         self._winner: bool | None = None        # the side the corrections prefer
         self._interval, self._since = EXPLORE, 0  # steps between tries of the other side
         self._try_left = 0                  # steps of a try of the other side still to run
+        self._far = False                   # the side behind was far behind when last weighed
         self._speculated = False            # whether the last step speculated
         # this step's (speculates, predicted tokens, predicted seconds, a try of the side
         # that does not lead)
@@ -328,6 +329,7 @@ class SpecPolicy:
         # also costs the drafts' catch-up); one never measured is not known to be
         close = min(spec_c, plain_c) >= TRY_MARGIN * max(spec_c, plain_c) or \
             len(self.measured) < 2
+        self._far = not close
         if self._try_left and spec_n:    # a try goes on
             speculate = not self._winner
             self._try_left -= 1
@@ -353,11 +355,17 @@ class SpecPolicy:
     def plain_step(self, seqs: list[Sequence], num_rows: int) -> bool:
         """Whether this step of num_rows rows (seqs: those that may speculate) runs plain
         without weighing plans: plain leads for the rows' mix of temperatures and no try of
-        speculation is due. Plans are weighed every EXPLORE steps (tries are due only then),
-        not at every step, whose cost they would add to; the engine asks before any source
-        drafts, so that such a step costs what a plain engine's does."""
+        speculation is due. Plans are weighed only when a try may be due (after the try
+        interval, or FAR_EXPLORE steps when speculation was far behind at the last weighing;
+        then every EXPLORE steps until one starts) and every MAX_EXPLORE steps (new rows may
+        change the plan): weighing costs about a millisecond at batch size 8, and every
+        EXPLORE steps that was a few percent of a run that stays plain. The engine asks
+        before any source drafts, so that such a step costs what a plain engine's does."""
         self._use_mix(tuple(sorted({temperature_bucket(seq) for seq in seqs})))
-        if self._winner is not False or self._try_left or not (self._since + 1) % EXPLORE:
+        step = self._since + 1   # (every interval is a multiple of EXPLORE)
+        due = FAR_EXPLORE if self._far else self._interval
+        if self._winner is not False or self._try_left or \
+                (not step % EXPLORE and (step >= due or not step % MAX_EXPLORE)):
             return False
         self._since += 1
         self._speculated = False
@@ -417,11 +425,11 @@ class SpecPolicy:
             return
         if self._mix is not None:    # (the first mix seen takes the state as it is)
             self._mixes[self._mix] = (self.measured, self.observed, self._winner,
-                                      self._interval, self._since)
+                                      self._interval, self._since, self._far)
             while len(self._mixes) > MAX_MIXES:          # the least recently left first
                 del self._mixes[next(iter(self._mixes))]
-            self.measured, self.observed, self._winner, self._interval, self._since = \
-                self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0))
+            self.measured, self.observed, self._winner, self._interval, self._since, \
+                self._far = self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0, False))
             self._try_left = 0
             self._chosen = None
         self._mix = mix
