@@ -109,6 +109,24 @@ inline bool avx512_usable() {
   return cpu;
 }
 
+// AVX512-BF16 (Cooper Lake, Sapphire Rapids and later): fp32 -> bf16 rounding in one
+// instruction (to nearest even, as c10::BFloat16, but for NaN payloads and fp32 denormals,
+// which it takes as zero; the AMX linear op rounds its results the same way)
+#define BS_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"), always_inline)) inline
+
+inline bool avx512_bf16_usable() {
+  static const bool cpu = avx512_usable() && __builtin_cpu_supports("avx512bf16") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return cpu;
+}
+
+// 16 floats rounded to bf16 (the bits), and back to fp32
+BS_AVX512_BF16 __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+BS_AVX512_BF16 __m512 from_bf16(__m256i b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 }  // namespace bs
 #endif
 

@@ -79,13 +79,50 @@ BS_CLONES void rms_norm_row(const T* x, const T* w, T* y, T* h, const T* residua
   for (int64_t j = 0; j < H; ++j) y[j] = store<T>(load(w[j]) * round_to<T>(load(x[j]) * inv));
 }
 
+#ifdef BS_HAVE_AVX512_PATH
+// bf16 with AVX512-BF16 (H a multiple of 16): the same roundings (bar fp32 denormals,
+// cpu_simd.h), each one instruction, and the same order of sums (lane l sums elements l,
+// l + 16, ...; the lanes are added in order); 2x faster than the loops above as the
+// compiler vectorises them (52 against 24 us at 160 rows of 256)
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) void
+rms_norm_row_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, uint16_t* h,
+                  const uint16_t* residual, int64_t H, float eps) {
+  __m512 ss16 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    __m512 v = bs::load16(x + i);
+    if (residual != nullptr) {
+      const __m256i b = bs::to_bf16(_mm512_add_ps(v, bs::load16(residual + i)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), b);
+      v = bs::from_bf16(b);
+    }
+    ss16 = _mm512_fmadd_ps(v, v, ss16);
+  }
+  if (residual != nullptr) x = h;
+  alignas(64) float part[16];
+  _mm512_store_ps(part, ss16);
+  float ss = 0.f;
+  for (int l = 0; l < 16; ++l) ss += part[l];
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / float(H) + eps));
+  for (int64_t i = 0; i < H; i += 16) {
+    const __m512 n = bs::from_bf16(bs::to_bf16(_mm512_mul_ps(bs::load16(x + i), inv)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                        bs::to_bf16(_mm512_mul_ps(bs::load16(w + i), n)));
+  }
+}
+#endif
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* y, T* h, const T* residual, int64_t rows,
                    int64_t H, float eps) {
+  auto row = &rms_norm_row<T>;
+#ifdef BS_HAVE_AVX512_PATH
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (H % 16 == 0 && bs::avx512_bf16_usable()) row = &rms_norm_row_bf16;
+#endif
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      rms_norm_row<T>(x + r * H, w, y + r * H, h == nullptr ? nullptr : h + r * H,
-                      residual == nullptr ? nullptr : residual + r * H, H, eps);
+      row(x + r * H, w, y + r * H, h == nullptr ? nullptr : h + r * H,
+          residual == nullptr ? nullptr : residual + r * H, H, eps);
   });
 }
 
@@ -155,19 +192,31 @@ BS_CLONES void silu_mul_row(const T* gate, const T* up, T* y, int64_t I) {
 
 #ifdef BS_HAVE_AVX512_PATH
 // The same, 16 at a time (I a multiple of 16), with the same roundings
+BS_AVX512 __m512 silu16(__m512 g) {   // g * sigmoid(g), as silu_mul_row's
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 e = bs::exp16(_mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g)));
+  const __m512 sigmoid = _mm512_maskz_mov_ps(
+      _mm512_cmp_ps_mask(g, _mm512_set1_ps(-87.f), _CMP_GE_OQ),
+      _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e)));
+  return _mm512_mul_ps(g, sigmoid);
+}
+
 template <typename T>
 __attribute__((target("avx512f,avx512dq"))) void silu_mul_row_avx512(const T* gate, const T* up,
                                                                      T* y, int64_t I) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (int64_t i = 0; i < I; i += 16) {
-    const __m512 g = bs::load16(gate + i);
-    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 e = bs::exp16(_mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g)));
-    const __m512 sigmoid = _mm512_maskz_mov_ps(
-        _mm512_cmp_ps_mask(g, _mm512_set1_ps(-87.f), _CMP_GE_OQ),
-        _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e)));
-    bs::store16(y + i, _mm512_mul_ps(bs::round16<T>(_mm512_mul_ps(g, sigmoid)),
+  for (int64_t i = 0; i < I; i += 16)
+    bs::store16(y + i, _mm512_mul_ps(bs::round16<T>(silu16(bs::load16(gate + i))),
                                      bs::load16(up + i)));
+}
+
+// bf16 with AVX512-BF16: the roundings in one instruction each
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) void silu_mul_row_bf16(
+    const uint16_t* gate, const uint16_t* up, uint16_t* y, int64_t I) {
+  for (int64_t i = 0; i < I; i += 16) {
+    const __m512 act = bs::from_bf16(bs::to_bf16(silu16(bs::load16(gate + i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                        bs::to_bf16(_mm512_mul_ps(act, bs::load16(up + i))));
   }
 }
 #endif
@@ -184,6 +233,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     auto row = &silu_mul_row<T>;
 #ifdef BS_HAVE_AVX512_PATH
     if (I % 16 == 0 && bs::avx512_usable()) row = &silu_mul_row_avx512<T>;
+    if constexpr (std::is_same_v<T, uint16_t>)
+      if (I % 16 == 0 && bs::avx512_bf16_usable()) row = &silu_mul_row_bf16;
 #endif
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) row(x + r * 2 * I, x + r * 2 * I + I, out + r * I, I);

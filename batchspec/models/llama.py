@@ -239,14 +239,14 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h, x = self._add_norm(h, mlp_out, layer["in_norm"])
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, self.num_heads, cfg.head_dim)               # this rank's heads
-            k = k.view(T, self.num_kv_heads, cfg.head_dim)
-            v = v.view(T, self.num_kv_heads, cfg.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, cfg.head_dim)
             if fused_rope:  # one C++ pass; q and k come back contiguous
                 q, k = self.fused.rope_qk(qkv, self.cos, self.sin, positions, self.num_heads,
                                           self.num_kv_heads)
-            elif cfg.qk_norm:
+            elif cfg.qk_norm:   # this rank's heads
+                q = qkv[:, :self.q_size].view(T, self.num_heads, cfg.head_dim)
+                k = qkv[:, self.q_size:self.q_size + self.kv_size].view(
+                    T, self.num_kv_heads, cfg.head_dim)
                 q = apply_rope(rms_norm(q, layer["q_norm"], eps), cos, sin)
                 k = apply_rope(rms_norm(k, layer["k_norm"], eps), cos, sin)
             else:  # q and k side by side in qkv: one rotation for both heads' sets
