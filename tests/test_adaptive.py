@@ -421,8 +421,9 @@ def test_speculating_steps_whose_drafts_catch_up_are_measured(tiny_llama):
 
 def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
     """The engine asks plain_step first and weighs plans (choose_lengths) only when it says
-    no. Speculation far behind: plans are weighed every MAX_EXPLORE steps and a try starts at
-    FAR_EXPLORE; close behind: at the try interval. Steps in between cost nothing extra."""
+    no. A model draft far behind: plans are weighed every MAX_EXPLORE steps and a try starts
+    at FAR_EXPLORE; close behind: at the try interval. Steps in between cost nothing extra.
+    Lookup rows: every EXPLORE steps."""
     from batchspec.spec.policy import EXPLORE, FAR_EXPLORE, MAX_EXPLORE, TRY_STEPS
     for spec_slowdown in (8.0, 4.5):   # the model's 4x lead measured away: far, close behind
         policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
@@ -443,3 +444,14 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
         else:
             assert tried[:TRY_STEPS + 1] == list(range(EXPLORE, EXPLORE + TRY_STEPS + 1))
             assert len(weighed) < FAR_EXPLORE // EXPLORE
+    # rows drafting from lookups: what they find changes with the text (a job-wide trie
+    # fills as rows finish), so plans are weighed every EXPLORE steps however far behind
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, 8.0, 1.0)
+    policy._winner, policy._far = False, True
+    weighed = [step for step in range(1, MAX_EXPLORE + 1)
+               if not policy.plain_step(seqs, 4, lookups=True)
+               and policy.choose_lengths([(s, "d", 4, False) for s in seqs], 0,
+                                         lookups=True) is not None]
+    assert weighed == list(range(EXPLORE, MAX_EXPLORE + 1, EXPLORE))

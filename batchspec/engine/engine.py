@@ -53,6 +53,10 @@ class Engine:
                 self._check_draft(path, runners[path])
             self.proposers[name] = DraftModelProposer(runners[path], c.confidence_threshold)
             self.source_label[name] = path
+        # drafts whose rows draft from lookups (alone or routed): what those find changes with
+        # the text, and the job-wide trie's with every finished row
+        self.lookup_fed = {name for name in c.drafts
+                           if name in self.routes or self.source_label[name] in (NGRAM, SUFFIX)}
         k = c.num_speculative_tokens if c.speculative else 0
         self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
@@ -251,8 +255,9 @@ class Engine:
         this step: the step is then measured, the drafts' catch-up included (a new row's
         prompt, a routed row's lookup rounds: costs speculation pays and plain does not)."""
         rows = [s for s in sampling if s.max_drafts > 0]
+        lookups = any(s.seq.spec.draft in self.lookup_fed for s in rows)
         if rows and self.policy.costs is not None and \
-                self.policy.plain_step([s.seq for s in rows], len(sampling)):
+                self.policy.plain_step([s.seq for s in rows], len(sampling), lookups):
             for s in rows:      # plain leads: no source drafts (lookups neither)
                 s.max_drafts = 0
             return True
@@ -278,7 +283,8 @@ class Engine:
             lengths = self.policy.choose_lengths(
                 [(s.seq, s.source, s.max_drafts if is_model[s.source] else s.num_drafts,
                   is_model[s.source]) for s in rows], len(sampling) - len(rows),
-                [s.proposal.classes if s.proposal is not None else None for s in rows])
+                [s.proposal.classes if s.proposal is not None else None for s in rows],
+                lookups)
             for s, n in zip(rows, lengths, strict=True):
                 s.max_drafts = n
                 if s.proposal is not None:

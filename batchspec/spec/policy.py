@@ -284,7 +284,8 @@ class SpecPolicy:
 
     def choose_lengths(self, rows: list[tuple[Sequence, str, int, bool]],
                        num_plain_rows: int,
-                       classes: list[list[int] | None] | None = None) -> list[int]:
+                       classes: list[list[int] | None] | None = None,
+                       lookups: bool = False) -> list[int]:
         """Draft lengths for this step's speculating rows, from slots admitted across all rows
         in order of survival probability (the product of the row's per-depth acceptance
         estimates up to the slot). Of the plans that admit 1, 2, ... slots, the best by
@@ -293,13 +294,14 @@ class SpecPolicy:
         step's, corrected by what plain steps have measured (0 slots: the plain step).
         rows: (seq, source, most drafts, source is a model), the most drafts of a lookup
         source being the drafts it has already found; classes: per row, the classes its
-        source gave those drafts, or None. Rows that do not speculate count one token."""
+        source gave those drafts, or None; lookups: as for plain_step. Rows that do not
+        speculate count one token."""
         costs = self.costs
         self._chosen = None
         if costs is None:
             return [n for _, _, n, _ in rows]
         num_rows = len(rows) + num_plain_rows
-        if self.plain_step([seq for seq, _, _, _ in rows], num_rows):
+        if self.plain_step([seq for seq, _, _, _ in rows], num_rows, lookups):
             return [0] * len(rows)
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
@@ -352,20 +354,23 @@ class SpecPolicy:
             else (False, num_rows, plain_s, tried)
         return lengths
 
-    def plain_step(self, seqs: list[Sequence], num_rows: int) -> bool:
+    def plain_step(self, seqs: list[Sequence], num_rows: int, lookups: bool = False) -> bool:
         """Whether this step of num_rows rows (seqs: those that may speculate) runs plain
         without weighing plans: plain leads for the rows' mix of temperatures and no try of
-        speculation is due. Plans are weighed only when a try may be due (after the try
-        interval, or FAR_EXPLORE steps when speculation was far behind at the last weighing;
-        then every EXPLORE steps until one starts) and every MAX_EXPLORE steps (new rows may
-        change the plan): weighing costs about a millisecond at batch size 8, and every
-        EXPLORE steps that was a few percent of a run that stays plain. The engine asks
-        before any source drafts, so that such a step costs what a plain engine's does."""
+        speculation is due. The engine asks before any source drafts, so that such a step
+        costs what a plain engine's does. Plans are weighed every EXPLORE steps where rows
+        draft from lookups (`lookups`: what they find changes with the text, and a job-wide
+        trie fills as rows finish, so speculation may take the lead without a try); else
+        only when a try may be due (at the try interval, or FAR_EXPLORE steps when
+        speculation was far behind at the last weighing; then every EXPLORE steps until one
+        starts) and every MAX_EXPLORE steps (new rows may change the plan): a model draft's
+        plan changes only with what its tries measure, and weighing every EXPLORE steps cost
+        a few percent of a run that stays plain (about 1 ms a weighing at batch size 8)."""
         self._use_mix(tuple(sorted({temperature_bucket(seq) for seq in seqs})))
         step = self._since + 1   # (every interval is a multiple of EXPLORE)
         due = FAR_EXPLORE if self._far else self._interval
         if self._winner is not False or self._try_left or \
-                (not step % EXPLORE and (step >= due or not step % MAX_EXPLORE)):
+                (not step % EXPLORE and (lookups or step >= due or not step % MAX_EXPLORE)):
             return False
         self._since += 1
         self._speculated = False
