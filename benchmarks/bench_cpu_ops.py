@@ -4,7 +4,11 @@
    C++ op on AMX tiles (batchspec.models.llama, kernels/linear_cpu.cpp), with the weights
    cycled through 48 MB so that they come from memory, as in decoding;
 2. attention of 32 short rows (4 query / 2 KV heads, head dim 64, 208 keys), SDPA vs the
-   grouped matmuls batchspec uses for bf16 on CPU (batchspec.layers.attention).
+   grouped matmuls batchspec uses for bf16 on CPU (batchspec.layers.attention);
+3. a layer's elementwise ops in bf16 at the demo target's widths (hidden 256, MLP 768), the
+   C++ ops (kernels/fused_cpu.cpp) vs the torch expressions they replace: RMSNorm with the
+   residual add, and SwiGLU, at 32 rows (a decode step at batch size 32) and 160 (its
+   verification windows of 5 tokens).
 
     python benchmarks/bench_cpu_ops.py
 """
@@ -19,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec.layers.attention import _grouped_attention  # noqa: E402
-from batchspec.models.llama import linear, prepack, weight_packer  # noqa: E402
+from batchspec.models.llama import fused_ops, linear, prepack, rms_norm, weight_packer  # noqa: E402,E501
 
 
 def per_call_us(fn, args_list, rounds=3):
@@ -58,6 +62,20 @@ def main():
         grouped = per_call_us(lambda *a: _grouped_attention(*a, mask, d ** -0.5),
                               [(q, k, v)] * 50)
         print(f"{str(dt)[6:]:<9} {sdpa:10.0f} {grouped:10.0f}")
+    ops = fused_ops(torch.bfloat16, torch.device("cpu"))
+    if ops is None:
+        return
+    print("\nbf16 elementwise ops, us per call: C++ op / torch ops")
+    w = torch.randn(256, dtype=torch.bfloat16)
+    for rows in (32, 160):
+        h, res = torch.randn(rows, 256).bfloat16(), torch.randn(rows, 256).bfloat16()
+        gate_up = torch.randn(rows, 2 * 768).bfloat16()
+        norm = per_call_us(lambda a, b: ops.add_rms_norm_(a, b, w, 1e-6), [(h, res)] * 200)
+        norm_torch = per_call_us(lambda a, b: rms_norm(a + b, w, 1e-6), [(h, res)] * 200)
+        act = per_call_us(ops.silu_mul, [(gate_up,)] * 200)
+        act_torch = per_call_us(lambda x: F.silu(x[:, :768]) * x[:, 768:], [(gate_up,)] * 200)
+        print(f"{rows:>4} rows: residual add + RMSNorm {norm:6.1f} / {norm_torch:6.1f}   "
+              f"SwiGLU {act:6.1f} / {act_torch:6.1f}")
 
 
 if __name__ == "__main__":
