@@ -132,13 +132,15 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
     result = CliRunner().invoke(bench, [
         "--target", tiny_llama, "--draft", tiny_draft, "--draft-code", tiny_llama,
         "--draft-docs", tiny_draft, "--data", prompts_parquet, "--max-tokens", "8",
-        "--batch-sizes", "1,2", "--temperatures", "0,0.8", "--json", str(out)])
+        "--batch-sizes", "1,2", "--temperatures", "0,0.8", "--num-prompts", "1",
+        "--min-batches", "2", "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["rows"]
     assert {r["method"] for r in rows} == set(METHODS)
     assert len(rows) == 2 * 2 * len(METHODS) - 2  # assisted generation: batch size 1 only
     for r in rows:
         assert r["tok_s"] > 0 and r["tokens"] > 0
+        assert r["num_prompts"] == 2 * r["batch_size"]   # two full batches a cell
     spec = [r for r in rows if r["method"] == "spec-domain" and r["temperature"] == 0.0]
     assert all(0 < r["alpha"] < 1 and "observed_over_theoretical" in r for r in spec)
 

@@ -188,7 +188,12 @@ def print_table(rows):
 @click.option("--workload", type=click.Choice(["corpus", "templated"]), default="corpus",
               show_default=True, help="Without --data: held-out corpus excerpts, or a "
               "repetitive job (one summary template over held-out functions).")
-@click.option("--num-prompts", type=int, default=32, show_default=True)
+@click.option("--num-prompts", type=int, default=32, show_default=True,
+              help="Prompts per cell, at least (see --min-batches).")
+@click.option("--min-batches", type=int, default=4, show_default=True,
+              help="Each batch size's cell runs at least this many full batches: "
+              "max(--num-prompts, N x batch size) prompts. A job refills its batch as rows "
+              "finish; a run of one or two batches is mostly its start and its drain.")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--batch-sizes", default="1,32", show_default=True, callback=_csv(int))
 @click.option("--temperatures", default="0,0.8", show_default=True, callback=_csv(float))
@@ -208,9 +213,9 @@ def print_table(rows):
               "target on this CPU.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
-def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_prompts, max_tokens,
-          batch_sizes, temperatures, methods, k, threshold, repeats, threads, dtype, seed,
-          json_path):
+def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_prompts,
+          min_batches, max_tokens, batch_sizes, temperatures, methods, k, threshold, repeats,
+          threads, dtype, seed, json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
     from batchspec.models.loader import num_parameters
     models = {"target": target, "draft": draft, "draft-code": draft_code,
@@ -226,10 +231,16 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
     if not models["draft"] and (needs := [m for m in methods
                                           if m.startswith("spec") or m == "hf-assisted"]):
         raise click.BadParameter(f"methods {needs} need a draft model: give --draft")
+    if num_prompts < 1 or min_batches < 0:
+        raise click.BadParameter("--num-prompts must be >= 1 and --min-batches >= 0")
+
+    def cell_size(b: int) -> int:   # prompts a cell of batch size b runs
+        return max(num_prompts, min_batches * b)
+    most = max(cell_size(b) for b in batch_sizes)
     if workload == "templated" and data is None:
-        prompts = templated_prompts(num_prompts)
+        prompts = templated_prompts(most)
     else:
-        prompts = load_prompts(data, domain, num_prompts, split="heldout", seed=seed)
+        prompts = load_prompts(data, domain, most, split="heldout", seed=seed)
     tok = hfref.load_tokenizer(models["target"])
     prompt_ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
@@ -249,7 +260,10 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
     d_model = hfref.load_causal_lm(models["draft"], torch_dtype) if "hf-assisted" in methods else None
     common = dict(max_tokens=max_tokens, eos_id=tok.eos_token_id, seed=seed)
     rows = []
+    all_ids, all_domains = prompt_ids, domains
     for b in batch_sizes:
+        # the first prompts of one pool: a larger batch's cell runs a superset of a smaller's
+        prompt_ids, domains = all_ids[:cell_size(b)], all_domains[:cell_size(b)]
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
         llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(), dtype)
                 for m in cell_methods if m not in ("hf", "hf-assisted")}
@@ -276,7 +290,8 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                     results[method].append(run(prompt_ids))
             for method, res in results.items():
                 best = min(res, key=lambda r: r["wall_s"])
-                row = {"method": method, "batch_size": b, "temperature": t, **best,
+                row = {"method": method, "batch_size": b, "temperature": t,
+                       "num_prompts": len(prompt_ids), **best,
                        "runs_tok_s": [round(r["tokens"] / r["wall_s"], 1) for r in res]}
                 rows.append(finish_row(row, k, 0.0 if method in LOOKUP_METHODS else cost))
                 click.echo(f"{method} B={b} T={t}: {rows[-1]['tok_s']} tok/s "
@@ -287,7 +302,8 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
         info = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
                 "models": models, "workload": "data" if data else workload,
-                "num_prompts": len(prompts), "max_tokens": max_tokens,
+                "num_prompts": len(prompts), "min_batches": min_batches,
+                "max_tokens": max_tokens,
                 "k": k, "dtype": dtype, "confidence_threshold": threshold, "repeats": repeats,
                 "cost_ratio": round(cost, 4), "rows": rows}
         with open(json_path, "w") as f:
