@@ -191,7 +191,6 @@ BS_CLONES void silu_mul_row(const T* gate, const T* up, T* y, int64_t I) {
 }
 
 #ifdef BS_HAVE_AVX512_PATH
-// The same, 16 at a time (I a multiple of 16), with the same roundings
 BS_AVX512 __m512 silu16(__m512 g) {   // g * sigmoid(g), as silu_mul_row's
   const __m512 one = _mm512_set1_ps(1.f);
   const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
@@ -202,6 +201,7 @@ BS_AVX512 __m512 silu16(__m512 g) {   // g * sigmoid(g), as silu_mul_row's
   return _mm512_mul_ps(g, sigmoid);
 }
 
+// The same, 16 at a time (I a multiple of 16), with the same roundings
 template <typename T>
 __attribute__((target("avx512f,avx512dq"))) void silu_mul_row_avx512(const T* gate, const T* up,
                                                                      T* y, int64_t I) {
