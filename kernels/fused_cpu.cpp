@@ -5,7 +5,8 @@
 //
 // Each keeps the roundings of the torch expression it replaces (batchspec/models/llama.py),
 // so that its result is that expression's up to the order of a sum or an exp's last bit
-// (bit-identical in bf16 in the tests but for silu_mul, within one bf16 step there):
+// (bit-identical in bf16 in the tests but for silu_mul, and rms_norm at widths that are not
+// whole vectors, within one bf16 step there):
 //   rms_norm      weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)      (HF Llama RMSNorm)
 //   add_rms_norm_ h += residual (in place, in the model dtype), then rms_norm(h)
 //   silu_mul      silu(gate) * up, gate and up the halves of each row  (SwiGLU)

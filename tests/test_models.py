@@ -397,22 +397,27 @@ def test_fused_swiglu_and_rope_give_the_torch_ops_result(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_rms_norm_gives_the_torch_ops_result(arch_model, dtype):
     """The C++ RMSNorm (kernels/fused_cpu.cpp, the residual add folded in) keeps the torch
-    expression's roundings; a forward with every fused op (RMSNorm, SwiGLU, RoPE) gives the
-    torch ops' logits (within rounding), on ragged rows of a prefilled cache."""
+    expression's roundings, on the vector path (AVX512-BF16 here) and the scalar loop; a
+    forward with every fused op (RMSNorm, SwiGLU, RoPE) gives the torch ops' logits (within
+    rounding), on ragged rows of a prefilled cache."""
     from batchspec.models.llama import fused_ops, rms_norm
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
     ops = fused_ops(getattr(torch, dtype), torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 96, generator=g).to(getattr(torch, dtype))
-    res = torch.randn(37, 96, generator=g).to(x.dtype)
-    w = (torch.randn(96, generator=g) * 0.3 + 1).to(x.dtype)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=0, rtol=0)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), **tol)
-    h = x.clone()
-    y = ops.add_rms_norm_(h, res, w, 1e-6)
-    assert torch.equal(h, x + res)
-    torch.testing.assert_close(y, rms_norm(x + res, w, 1e-6), **tol)
+    for width in (96, 40):   # a vector path's width (16s) and one the scalar loop takes
+        # bit for bit in bf16 at 96; at 40 the scalar loop's order of sums may move 1/rsqrt's
+        # last bit and with it a rounding: within one bf16 step there (1 of 1480 values here)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else \
+            dict(atol=0, rtol=0) if width % 16 == 0 else dict(atol=0, rtol=2 ** -7)
+        x = torch.randn(37, width, generator=g).to(getattr(torch, dtype))
+        res = torch.randn(37, width, generator=g).to(x.dtype)
+        w = (torch.randn(width, generator=g) * 0.3 + 1).to(x.dtype)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), **tol)
+        h = x.clone()
+        y = ops.add_rms_norm_(h, res, w, 1e-6)
+        assert torch.equal(h, x + res)
+        torch.testing.assert_close(y, rms_norm(x + res, w, 1e-6), **tol)
     runner, prompts, seqs = prefilled(arch_model, dtype, (9, 23, 14))
     rows = [[5, 6, 7], [8], [9, 10]]
     args = (rows, [len(p) for p in prompts], [s.block_table for s in seqs], [len(r) for r in rows])

@@ -255,7 +255,8 @@ class Engine:
         this step: the step is then measured, the drafts' catch-up included (a new row's
         prompt, a routed row's lookup rounds: costs speculation pays and plain does not)."""
         rows = [s for s in sampling if s.max_drafts > 0]
-        lookups = any(s.seq.spec.draft in self.lookup_fed for s in rows)
+        lookups = self.policy.costs is not None and \
+            any(s.seq.spec.draft in self.lookup_fed for s in rows)
         if rows and self.policy.costs is not None and \
                 self.policy.plain_step([s.seq for s in rows], len(sampling), lookups):
             for s in rows:      # plain leads: no source drafts (lookups neither)

@@ -188,9 +188,9 @@ def print_table(rows):
 @click.option("--workload", type=click.Choice(["corpus", "templated"]), default="corpus",
               show_default=True, help="Without --data: held-out corpus excerpts, or a "
               "repetitive job (one summary template over held-out functions).")
-@click.option("--num-prompts", type=int, default=32, show_default=True,
+@click.option("--num-prompts", type=click.IntRange(min=1), default=32, show_default=True,
               help="Prompts per cell, at least (see --min-batches).")
-@click.option("--min-batches", type=int, default=4, show_default=True,
+@click.option("--min-batches", type=click.IntRange(min=0), default=4, show_default=True,
               help="Each batch size's cell runs at least this many full batches: "
               "max(--num-prompts, N x batch size) prompts. A job refills its batch as rows "
               "finish; a run of one or two batches is mostly its start and its drain.")
@@ -231,9 +231,6 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
     if not models["draft"] and (needs := [m for m in methods
                                           if m.startswith("spec") or m == "hf-assisted"]):
         raise click.BadParameter(f"methods {needs} need a draft model: give --draft")
-    if num_prompts < 1 or min_batches < 0:
-        raise click.BadParameter("--num-prompts must be >= 1 and --min-batches >= 0")
-
     def cell_size(b: int) -> int:   # prompts a cell of batch size b runs
         return max(num_prompts, min_batches * b)
     most = max(cell_size(b) for b in batch_sizes)
