@@ -2,8 +2,9 @@
 
     python benchmarks/bench_verify.py            # the table of docs/benchmarks.md
     python benchmarks/bench_verify.py --quick    # one shape
-    python benchmarks/bench_verify.py --draws    # plain draws (no drafts): the cpu twin's
-                                                 # vectorised bonus draw against its generic loop
+    python benchmarks/bench_verify.py --draws    # the cpu twin's vectorised host paths
+                                                 # against its generic loops (plain draws
+                                                 # and speculating rows)
 
 Every request drafts k tokens from a draft distribution close to the target's (acceptance
 around 0.6-0.8); both backends get the same inputs and must return the same tokens.
@@ -56,32 +57,37 @@ def time_ms(fn, repeat):
 
 
 def compare_draws(repeat):
-    """Plain decoding's draw (no drafts, fp32 logits as the engine passes them) through the
-    cpu twin with its vectorised host draw and with the generic loop, in one process."""
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 logits, plain "
-          f"draws, median of {repeat}: cpu ms, vectorised host draw / generic loop")
-    for B, V in ((32, 4096), (64, 4096), (64, 32000)):
-        for T in (0.3, 0.8, 1.5):
-            inputs, _ = make_inputs(B, 0, V, "random", dtype=torch.float32)
-            inputs = (inputs[0] * 2,) + inputs[1:4] + (torch.full((B,), T),) + inputs[5:]
-            times = {}
-            for _ in range(2):
-                for name, env in (("host", "1"), ("generic", "0")):
-                    os.environ["BATCHSPEC_VERIFY_HOST_DRAW"] = env
-                    fn = partial(rejection_sample, *inputs, backend="cpu")
-                    times.setdefault(name, []).append(time_ms(fn, repeat))
-                    times.setdefault(name + "_out", fn()[0])
-            os.environ.pop("BATCHSPEC_VERIFY_HOST_DRAW")
-            assert torch.equal(times["host_out"], times["generic_out"]), "draws disagree"
-            host, generic = min(times["host"]), min(times["generic"])
-            print(f"B={B:>3} V={V:>6} T={T}: {host:.2f} / {generic:.2f} ms "
-                  f"({generic / host:.1f}x)")
+    """The cpu twin with its host paths (the vectorised bonus draw of verify_host.h and the
+    row passes of verify_host_rows.h) and with the generic loops, in one process, on fp32
+    logits as the engine passes them: plain draws (k = 0) and speculating rows (k = 4)."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 logits, median "
+          f"of {repeat}: cpu ms, host paths / generic loops")
+    shapes = [(B, 0, V, T, "random") for B, V in ((32, 4096), (64, 4096), (64, 32000))
+              for T in (0.3, 0.8, 1.5)]
+    shapes += [(B, 4, 4096, T, mode) for B in (8, 32) for T, mode in
+               ((0.0, "greedy"), (0.8, "random"), (0.8, "top-p"))]
+    for B, k, V, T, mode in shapes:
+        inputs, kw = make_inputs(B, k, V, mode, dtype=torch.float32)
+        inputs = (inputs[0] * 2,) + inputs[1:4] + (torch.full((B,), T),) + inputs[5:]
+        times = {}
+        for _ in range(2):
+            for name, env in (("host", "1"), ("generic", "0")):
+                os.environ["BATCHSPEC_VERIFY_HOST_DRAW"] = env
+                fn = partial(rejection_sample, *inputs, backend="cpu", **kw)
+                times.setdefault(name, []).append(time_ms(fn, repeat))
+                times.setdefault(name + "_out", fn()[0])
+        os.environ.pop("BATCHSPEC_VERIFY_HOST_DRAW")
+        assert torch.equal(times["host_out"], times["generic_out"]), "draws disagree"
+        host, generic = min(times["host"]), min(times["generic"])
+        label = mode if mode != "random" else f"T={T}"
+        print(f"B={B:>3} k={k} V={V:>6} {label:>7}: {host:.2f} / {generic:.2f} ms "
+              f"({generic / host:.1f}x)")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only B=64, k=4, V=32000, random")
-    ap.add_argument("--draws", action="store_true", help="compare the two plain-draw paths")
+    ap.add_argument("--draws", action="store_true", help="compare the host paths with the generic loops")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     if args.draws:

@@ -70,6 +70,12 @@ struct TokenUniforms {
 };
 
 // ---- rows: scaled logits z = l * (1/T) (as the reference), filter (top-k, top-p), p = exp(z - m) / s ----------
+}  // namespace bs
+#if !defined(__CUDACC__)
+#include "verify_host_rows.h"   // the host's vectorised passes over a row
+#endif
+namespace bs {
+
 struct RowFilter { float thresh, m, s; };   // token kept iff z >= thresh
 
 BS_HD float prob(const RowFilter& f, float z) { return z >= f.thresh ? expf(z - f.m) / f.s : 0.f; }
@@ -77,6 +83,9 @@ BS_HD float prob(const RowFilter& f, float z) { return z >= f.thresh ? expf(z - 
 template <typename T>
 BS_HD float sum_exp_above(const T* row, int V, float inv_t, float m, float thresh, bool strict, const Group& g) {
   float s = 0.f;   // sum of exp(z - m) over z > thresh (strict) or z >= thresh
+#if !defined(__CUDACC__)
+  if (host_sum_exp_above(row, V, inv_t, m, thresh, strict, s)) return s;
+#endif
   for_each(row, V, g, [&](int, float x) {
     const float z = x * inv_t;
     if (strict ? z > thresh : z >= thresh) s += expf(z - m);
@@ -88,14 +97,21 @@ template <typename T>
 BS_HD RowFilter row_filter(const T* row, int V, float inv_t, int top_k, float top_p, const Group& g) {
   Lse l{-INFINITY, 0.f};
   float zmin = INFINITY;
-  for_each(row, V, g, [&](int, float x) {   // one pass: online max / sum-exp, and the min
-    const float z = x * inv_t;
-    zmin = fminf(zmin, z);
-    if (z > l.m) { l.s = l.s * expf(l.m - z) + 1.f; l.m = z; }
-    else if (z != -INFINITY) l.s += expf(z - l.m);
-  });
-  l = group_lse(l, g);
-  zmin = group_min(zmin, g);
+#if !defined(__CUDACC__)
+  const bool vec = host_row_lse(row, V, inv_t, l.m, zmin, l.s);
+#else
+  const bool vec = false;
+#endif
+  if (!vec) {
+    for_each(row, V, g, [&](int, float x) {   // one pass: online max / sum-exp, and the min
+      const float z = x * inv_t;
+      zmin = fminf(zmin, z);
+      if (z > l.m) { l.s = l.s * expf(l.m - z) + 1.f; l.m = z; }
+      else if (z != -INFINITY) l.s += expf(z - l.m);
+    });
+    l = group_lse(l, g);
+    zmin = group_min(zmin, g);
+  }
   RowFilter f{-INFINITY, l.m, l.s};
   if (top_k > 0 && top_k < V) {   // largest x with #{z >= x} >= k: the k-th largest z
     uint32_t lo = float_key(zmin), hi = float_key(l.m);
@@ -103,8 +119,14 @@ BS_HD RowFilter row_filter(const T* row, int V, float inv_t, int top_k, float to
       const uint32_t mid = lo + (hi - lo + 1) / 2;
       const float x = key_float(mid);
       float c = 0.f;
-      for_each(row, V, g, [&](int, float v) { c += (v * inv_t >= x) ? 1.f : 0.f; });
-      if (group_sum(c, g) >= float(top_k)) lo = mid; else hi = mid - 1;
+#if !defined(__CUDACC__)
+      if (!host_count_at_least(row, V, inv_t, x, c))
+#endif
+      {
+        for_each(row, V, g, [&](int, float v) { c += (v * inv_t >= x) ? 1.f : 0.f; });
+        c = group_sum(c, g);
+      }
+      if (c >= float(top_k)) lo = mid; else hi = mid - 1;
     }
     f.thresh = key_float(lo);
     f.s = sum_exp_above(row, V, inv_t, f.m, f.thresh, false, g);
@@ -136,6 +158,10 @@ BS_HD bool cannot_win(float u, float y) { return u < 1.f - y * 1.0001f - 1e-6f; 
 
 template <typename T>
 BS_HD int row_argmax(const T* row, int V, const Group& g) {   // greedy; ties -> lowest index
+#if !defined(__CUDACC__)
+  const int top = host_argmax(row, V);
+  if (top >= 0) return top;
+#endif
   ArgMax best{-INFINITY, -1};
   for_each(row, V, g, [&](int i, float x) { if (best.i < 0 || x > best.v) best = ArgMax{x, i}; });
   return group_argmax(best, g).i;
@@ -169,7 +195,7 @@ BS_HD int draw_bonus(const T* row, int V, float inv_t, float thresh, TokenUnifor
   // order does not change the winner: argmax_op breaks ties by the lower index.)
   const int top = row_argmax(row, V, g);
 #if !defined(__CUDACC__)
-  if (top >= 0 && host_draw_enabled()) {   // the host's vectorised path (verify_host.h), or
+  if (top >= 0 && host_paths_on()) {   // the host's vectorised path (verify_host.h), or
                                             // -1: this loop
     const int i = draw_bonus_host(row, V, inv_t, thresh, u, top);
     if (i >= 0) return i;
@@ -184,15 +210,22 @@ template <typename T>   // corrected: exponential race over w = max(0, p - q); -
 BS_HD int draw_residual(const T* row, int V, float inv_t, const RowFilter& f, const float* q_row,
                         int draft, TokenUniforms u, const Group& g) {
   ArgMax best{-INFINITY, -1};
-  for_each(row, V, g, [&](int i, float x) {
-    const float q = q_row ? q_row[i] : (i == draft ? 1.f : 0.f);
-    const float w = prob(f, x * inv_t) - q;
+  const auto visit = [&](int i, float w) {   // w = p(i) - q(i)
     if (!(w > 0.f) || (best.i >= 0 && w * kMaxInvExp < best.v)) return;   // cannot win
     const float ui = u(i);
     // w / -log u > best needs -log u < w / best, i.e. u > exp(-w / best)
     if (best.i >= 0 && cannot_win(ui, w / best.v)) return;
     const float score = w / -logf(ui);
     best = argmax_op(best, ArgMax{score, i});
+  };
+#if !defined(__CUDACC__)
+  if (const float* w = host_residual(row, V, inv_t, f.thresh, f.m, f.s, q_row, draft)) {
+    for (int i = 0; i < V; ++i) visit(i, w[i]);   // the weights of a vectorised pass
+    return best.i;
+  }
+#endif
+  for_each(row, V, g, [&](int i, float x) {
+    visit(i, prob(f, x * inv_t) - (q_row ? q_row[i] : (i == draft ? 1.f : 0.f)));
   });
   return group_argmax(best, g).i;
 }

@@ -51,13 +51,6 @@ BS_CLONES int within_gumbel(const T* __restrict__ row, int V, float inv_t, float
   return n;
 }
 
-// BATCHSPEC_VERIFY_HOST_DRAW=0 takes the generic loop instead (read on every call, so that a
-// benchmark can compare the two in one process)
-inline bool host_draw_enabled() {
-  const char* e = std::getenv("BATCHSPEC_VERIFY_HOST_DRAW");
-  return e == nullptr || e[0] != '0';
-}
-
 template <typename T>
 int draw_bonus_host(const T* row, int V, float inv_t, float thresh, const TokenUniforms& tu,
                     int top) {

@@ -76,6 +76,7 @@ bs::VerifyParams make_params(const Tensor& logits, const OptTensor& draft_probs,
 
 template <typename T>
 void run_cpu(const bs::VerifyParams& P) {
+  bs::host_paths_on() = bs::host_draw_env();
   at::parallel_for(0, P.batch, 1, [&](int64_t lo, int64_t hi) {
     const bs::Group g{0, 1, nullptr};
     for (int64_t b = lo; b < hi; ++b) bs::verify_request<T>(P, int(b), g);
@@ -128,6 +129,7 @@ Tensor row_probs(const Tensor& logits, const Tensor& temperature, const Tensor& 
   check(top_p, at::kFloat, logits.device(), "top_p");
   const int64_t R = logits.size(0), V = logits.size(1);
   Tensor p = at::empty({R, V}, logits.options());
+  bs::host_paths_on() = bs::host_draw_env();
   at::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
     const bs::Group g{0, 1, nullptr};
     for (int64_t r = lo; r < hi; ++r) {

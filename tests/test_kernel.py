@@ -146,6 +146,38 @@ def test_cpu_vectorised_draw_picks_the_generic_loops_tokens(ops, V, monkeypatch)
             assert torch.equal(rejection_sample(*args, backend="cpu", **kw)[0], ref), env
 
 
+@pytest.mark.parametrize("V", [17, 300, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_vectorised_row_passes_pick_the_generic_loops_tokens(ops, V, dtype, monkeypatch):
+    """Speculating rows (greedy, sampled with and without q, with top-k/top-p), rows with
+    -inf logits and a tail of the vocabulary past the last 16 tokens: the host's vectorised
+    row passes (kernels/verify_host_rows.h: row_filter's max and sums, top-k's counts, the
+    argmax, the corrected draw's weights) and the generic loops pick the reference's tokens,
+    and a row with a NaN keeps the generic loop's result."""
+    for seed in range(3):
+        args = list(random_batch(100 + seed, 40, V, dtype, seed != 1, 0.7 + 0.1 * seed))
+        args[0][3::7, ::5] = float("-inf")
+        g = torch.Generator().manual_seed(seed)
+        B = args[3].numel() - 1
+        for kw in ({}, dict(top_k=torch.randint(0, 30, (B,), generator=g, dtype=torch.int32),
+                            top_p=torch.where(torch.rand(B, generator=g) < 0.5, 1.0, 0.85))):
+            ref = rejection_sample(*args, backend="torch", **kw)
+            for env in ("1", "0"):
+                monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", env)
+                got = rejection_sample(*args, backend="cpu", **kw)
+                assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0]), (env, kw)
+    logits = torch.randn(2, V, dtype=torch.float32)
+    logits[:, V // 2] = float("nan")
+    nan_args = (logits, None, torch.zeros(0, dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int32), torch.tensor([0.0, 0.8]),
+                torch.tensor([1, 2]), torch.tensor([0, 0]))
+    outs = []
+    for env in ("1", "0"):
+        monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", env)
+        outs.append(rejection_sample(*nan_args, backend="cpu"))
+    assert torch.equal(outs[0][0], outs[1][0])
+
+
 @pytest.mark.parametrize("T,top_k,top_p", SAMPLING_CASES)
 def test_cpu_sampling_is_exact(ops, T, top_k, top_p):
     check_sampling_is_exact("cpu", T, top_k, top_p)

@@ -1,0 +1,224 @@
+// Host-only passes over one row of logits for verify_core.h, included by the CPU build only:
+// the row's max, min and sum of exp (row_filter), top-k's counts and top-k/top-p's sums
+// above a threshold, the greedy argmax, and the corrected draw's weights max(0, p - q).
+// AVX-512 over fp32 and bf16 rows, 16 tokens at a time, where the generic loops visit one
+// token at a time and call expf for each: a speculating row at T > 0 runs row_filter once per
+// draft it judges, so these passes are most of verification's work on the host.
+//
+// Sums run in 16 lanes and exp is exp16 (cpu_simd.h, ~2e-7 relative, about one float ulp):
+// the same last-bit differences as between the backends already (docs/verification.md,
+// "Backends and tolerance"). Counts, maxima and the argmax are exact. Each function returns
+// false (or -1, or nullptr) where it does not apply, and the caller runs its generic loop:
+// fp16 rows, rows shorter than 16 tokens, no AVX-512, a NaN or +inf among the scaled logits
+// (malformed input keeps the generic loop's behaviour), or BATCHSPEC_VERIFY_HOST_DRAW=0.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace bs {
+
+// BATCHSPEC_VERIFY_HOST_DRAW=0 takes the generic loops instead (read once per call of the op,
+// so that a benchmark or a test can compare the two in one process)
+inline bool host_draw_env() {
+  const char* e = std::getenv("BATCHSPEC_VERIFY_HOST_DRAW");
+  return e == nullptr || e[0] != '0';
+}
+inline bool& host_paths_on() {
+  static bool on = true;
+  return on;
+}
+
+#if defined(BS_HAVE_AVX512_PATH)
+template <typename T>
+inline bool vec_row(int V) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>)
+    return V >= 16 && host_paths_on() && avx512_usable();
+  else
+    return false;
+}
+
+#define BS_ROW_AVX512 __attribute__((target("avx512f,avx512dq")))
+
+BS_AVX512 __mmask16 lanes(int left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+
+// row[i .. i+16) as floats, the lanes past the row's end zero (k: the lanes in the row)
+template <typename T>
+BS_AVX512 __m512 row16(const T* row, int i, __mmask16 k) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(k, row + i);
+  } else {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + i;
+    if (k == 0xffff) return load16(p);
+    alignas(32) uint16_t tail[16] = {};
+    for (int j = 0; j < 16; ++j)
+      if (k >> j & 1) tail[j] = p[j];
+    return load16(tail);
+  }
+}
+
+// scaled logits z = x * inv_t: max, min and sum of exp(z - max) over z != -inf (as
+// row_filter's one pass); false: a NaN or +inf
+template <typename T>
+BS_ROW_AVX512 bool row_lse_avx512(const T* row, int V, float inv_t, float& m, float& zmin,
+                                   float& s) {
+  const __m512 it = _mm512_set1_ps(inv_t), pinf = _mm512_set1_ps(INFINITY);
+  __m512 vmax = _mm512_set1_ps(-INFINITY), vmin = pinf;
+  __mmask16 bad = 0;
+  for (int i = 0; i < V; i += 16) {
+    const __mmask16 k = lanes(V - i);
+    const __m512 z = _mm512_mul_ps(row16(row, i, k), it);
+    bad |= _mm512_mask_cmp_ps_mask(k, z, z, _CMP_UNORD_Q) |
+           _mm512_mask_cmp_ps_mask(k, z, pinf, _CMP_EQ_OQ);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, z);
+    vmin = _mm512_mask_min_ps(vmin, k, vmin, z);
+  }
+  if (bad) return false;
+  m = _mm512_reduce_max_ps(vmax);
+  zmin = _mm512_reduce_min_ps(vmin);
+  s = 0.f;
+  if (m == -INFINITY) return true;
+  const __m512 vm = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
+  __m512 acc = _mm512_setzero_ps();
+  for (int i = 0; i < V; i += 16) {
+    const __mmask16 k = lanes(V - i);
+    const __m512 z = _mm512_mul_ps(row16(row, i, k), it);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(k, z, ninf, _CMP_NEQ_OQ);
+    acc = _mm512_mask_add_ps(acc, live, acc, exp16(_mm512_sub_ps(z, vm)));
+  }
+  s = _mm512_reduce_add_ps(acc);
+  return true;
+}
+
+// sum of exp(z - m) over z > thresh (strict) or z >= thresh, z != -inf
+template <typename T>
+BS_ROW_AVX512 float sum_exp_above_avx512(const T* row, int V, float inv_t, float m,
+                                          float thresh, bool strict) {
+  const __m512 it = _mm512_set1_ps(inv_t), vm = _mm512_set1_ps(m), th = _mm512_set1_ps(thresh),
+               ninf = _mm512_set1_ps(-INFINITY);
+  __m512 acc = _mm512_setzero_ps();
+  for (int i = 0; i < V; i += 16) {
+    const __mmask16 k = lanes(V - i);
+    const __m512 z = _mm512_mul_ps(row16(row, i, k), it);
+    const __mmask16 keep = (strict ? _mm512_mask_cmp_ps_mask(k, z, th, _CMP_GT_OQ)
+                                   : _mm512_mask_cmp_ps_mask(k, z, th, _CMP_GE_OQ)) &
+                           _mm512_cmp_ps_mask(z, ninf, _CMP_NEQ_OQ);
+    acc = _mm512_mask_add_ps(acc, keep, acc, exp16(_mm512_sub_ps(z, vm)));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// #{z >= x}
+template <typename T>
+BS_ROW_AVX512 int count_at_least_avx512(const T* row, int V, float inv_t, float x) {
+  const __m512 it = _mm512_set1_ps(inv_t), vx = _mm512_set1_ps(x);
+  int n = 0;
+  for (int i = 0; i < V; i += 16) {
+    const __mmask16 k = lanes(V - i);
+    n += __builtin_popcount(
+        _mm512_mask_cmp_ps_mask(k, _mm512_mul_ps(row16(row, i, k), it), vx, _CMP_GE_OQ));
+  }
+  return n;
+}
+
+// the first index of the row's largest value (as row_argmax); -1: a NaN in the row
+template <typename T>
+BS_ROW_AVX512 int argmax_avx512(const T* row, int V) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  __mmask16 bad = 0;
+  for (int i = 0; i < V; i += 16) {
+    const __mmask16 k = lanes(V - i);
+    const __m512 x = row16(row, i, k);
+    bad |= _mm512_mask_cmp_ps_mask(k, x, x, _CMP_UNORD_Q);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, x);
+  }
+  if (bad) return -1;
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  for (int i = 0; i < V; i += 16) {
+    const __mmask16 k = lanes(V - i);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(k, row16(row, i, k), m, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return -1;
+}
+
+// w[i] = p(i) - q(i), p(i) = exp(z - m) / s for z >= thresh (and z != -inf), else 0; q from
+// q_row, or one-hot at `draft` when q_row is null
+template <typename T>
+BS_ROW_AVX512 void residual_avx512(const T* row, int V, float inv_t, float thresh, float m,
+                                    float s, const float* q_row, int draft, float* w) {
+  const __m512 it = _mm512_set1_ps(inv_t), vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(s),
+               th = _mm512_set1_ps(thresh), ninf = _mm512_set1_ps(-INFINITY);
+  for (int i = 0; i < V; i += 16) {
+    const __mmask16 k = lanes(V - i);
+    const __m512 z = _mm512_mul_ps(row16(row, i, k), it);
+    const __mmask16 kept = _mm512_mask_cmp_ps_mask(k, z, th, _CMP_GE_OQ) &
+                           _mm512_cmp_ps_mask(z, ninf, _CMP_NEQ_OQ);
+    const __m512 p = _mm512_maskz_div_ps(kept, exp16(_mm512_sub_ps(z, vm)), vs);
+    const __m512 q = q_row ? _mm512_maskz_loadu_ps(k, q_row + i) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(w + i, k, _mm512_sub_ps(p, q));
+  }
+  if (!q_row && 0 <= draft && draft < V) w[draft] -= 1.f;
+}
+#endif
+
+// ---- what verify_core.h calls --------------------------------------------------------------
+template <typename T>
+bool host_row_lse(const T* row, int V, float inv_t, float& m, float& zmin, float& s) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (vec_row<T>(V)) return row_lse_avx512(row, V, inv_t, m, zmin, s);
+#endif
+  return false;
+}
+
+template <typename T>
+bool host_sum_exp_above(const T* row, int V, float inv_t, float m, float thresh, bool strict,
+                        float& s) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (vec_row<T>(V)) {
+    s = sum_exp_above_avx512(row, V, inv_t, m, thresh, strict);
+    return true;
+  }
+#endif
+  return false;
+}
+
+template <typename T>
+bool host_count_at_least(const T* row, int V, float inv_t, float x, float& n) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (vec_row<T>(V)) {
+    n = float(count_at_least_avx512(row, V, inv_t, x));
+    return true;
+  }
+#endif
+  return false;
+}
+
+template <typename T>
+int host_argmax(const T* row, int V) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (vec_row<T>(V)) return argmax_avx512(row, V);
+#endif
+  return -1;
+}
+
+// the corrected draw's weights in a per-thread buffer, or nullptr
+template <typename T>
+const float* host_residual(const T* row, int V, float inv_t, float thresh, float m, float s,
+                           const float* q_row, int draft) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (vec_row<T>(V)) {
+    thread_local std::vector<float> w;
+    w.resize(size_t(V));
+    residual_avx512(row, V, inv_t, thresh, m, s, q_row, draft, w.data());
+    return w.data();
+  }
+#endif
+  return nullptr;
+}
+
+}  // namespace bs
