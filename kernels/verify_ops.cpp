@@ -111,6 +111,35 @@ std::tuple<Tensor, Tensor> rejection_sample(const Tensor& logits, const OptTenso
   return {out, num_accepted};
 }
 
+// Each row's argmax, as torch.argmax(-1) (the first maximum; the first NaN where a row has
+// one): a draft's greedy tokens every draft step. torch's op visits about 2 ns a token on one
+// thread, 0.3 ms a step at 32 rows of a 4,096-token vocabulary; this one is the vectorised
+// pass of verify_host_rows.h.
+Tensor argmax_rows(const Tensor& logits) {
+  TORCH_CHECK(logits.is_cpu() && logits.dim() == 2 && logits.is_contiguous() &&
+                  logits.scalar_type() == at::kFloat,
+              "argmax_rows: expected contiguous fp32 [R, V] logits on the CPU");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "argmax_rows: empty rows");
+  Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  bs::host_paths_on() = bs::host_draw_env();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = x + r * V;
+    int top = bs::host_argmax(row, int(V));
+    if (top < 0) {   // a NaN (torch takes the first), or no vectorised pass here
+      top = 0;
+      for (int i = 0; i < int(V); ++i) {
+        if (row[i] != row[i]) { top = i; break; }
+        if (row[i] > row[top]) top = i;
+      }
+    }
+    o[r] = top;
+  }
+  return out;
+}
+
 // Test hooks: the C++ RNG and filtered probabilities, compared with the torch reference.
 Tensor uniform(const Tensor& seeds, const Tensor& offsets, const Tensor& positions, int64_t stream, int64_t index) {
   TORCH_CHECK(seeds.is_cpu() && seeds.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && positions.scalar_type() == at::kLong);
@@ -150,12 +179,14 @@ TORCH_LIBRARY(BS_NS, m) {
         "Tensor? top_p, int max_n) -> (Tensor, Tensor)");
   m.def("uniform(Tensor seeds, Tensor offsets, Tensor positions, int stream, int index) -> Tensor");
   m.def("row_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(BS_NS, CPU, m) {
   m.impl("rejection_sample", &rejection_sample);
   m.impl("uniform", &uniform);
   m.impl("row_probs", &row_probs);
+  m.impl("argmax_rows", &argmax_rows);
 }
 
 #ifdef BS_WITH_CUDA

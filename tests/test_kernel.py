@@ -13,7 +13,7 @@ import torch
 import tests.test_verify as reference_tests
 from batchspec.spec import _build
 from batchspec.spec.rng import uniform
-from batchspec.spec.verify import rejection_sample, resolve_backend, target_probs
+from batchspec.spec.verify import greedy_tokens, rejection_sample, resolve_backend, target_probs
 from tests.test_verify import SAMPLING_CASES, call, check_sampling_is_exact
 
 pytestmark = pytest.mark.slow
@@ -176,6 +176,24 @@ def test_cpu_vectorised_row_passes_pick_the_generic_loops_tokens(ops, V, dtype, 
         monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", env)
         outs.append(rejection_sample(*nan_args, backend="cpu"))
     assert torch.equal(outs[0][0], outs[1][0])
+
+
+def test_greedy_tokens_are_torch_argmax(ops, monkeypatch):
+    """The drafts' greedy tokens (the C++ twin's argmax_rows) are logits.argmax(-1): the
+    first maximum on ties, the first NaN where a row has one, index 0 for a row of -inf, at
+    widths on and off a multiple of 16, vectorised and not; other dtypes go to torch."""
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 15, 16, 33, 4096):
+        logits = torch.randint(-3, 4, (12, V), generator=g).float()    # many ties
+        logits[3] = float("-inf")
+        logits[5, V // 2] = float("nan")
+        logits[6, -1] = float("inf")
+        logits[7, ::2] = float("nan")
+        for env in ("1", "0"):
+            monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", env)
+            assert torch.equal(greedy_tokens(logits), logits.argmax(-1)), (V, env)
+    x = torch.randn(4, 50, generator=g).bfloat16()
+    assert torch.equal(greedy_tokens(x), x.argmax(-1))
 
 
 @pytest.mark.parametrize("T,top_k,top_p", SAMPLING_CASES)

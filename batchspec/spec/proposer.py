@@ -21,6 +21,7 @@ import torch
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sequence import Sequence
 from batchspec.spec.rng import STREAM_DRAFT, uniform_compiled
+from batchspec.spec.verify import greedy_tokens
 from batchspec.spec.verify_torch import target_probs
 
 
@@ -82,7 +83,7 @@ class DraftModelProposer:
             # (at T = 0 a step's only tensor op besides the forward is the argmax: at small
             # batches each op's dispatch costs as much as its arithmetic)
             all_greedy = all(s.params.temperature == 0 for s in seqs)
-            tokens = logits.argmax(-1)
+            tokens = greedy_tokens(logits)
             q = None  # greedy rows need q only for the confidence rule
             if not all_greedy or self.threshold > 0:
                 temps = torch.tensor([s.params.temperature for s in seqs])

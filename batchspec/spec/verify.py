@@ -24,7 +24,7 @@ from batchspec.spec import _build
 from batchspec.spec.verify_torch import filter_logits, rejection_sample_torch, target_probs
 
 __all__ = ["rejection_sample", "verify", "VerifyMetadata", "resolve_backend", "filter_logits",
-           "target_probs", "rejection_sample_torch", "BACKENDS"]
+           "target_probs", "rejection_sample_torch", "BACKENDS", "greedy_tokens"]
 
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 _warned = False
@@ -97,6 +97,23 @@ def rejection_sample(target_logits, draft_probs, draft_token_ids, cu_num_draft, 
     assert draft_probs is None or tuple(draft_probs.shape) == (draft_token_ids.numel(),
                                                                logits.shape[1])
     return ops.rejection_sample(*args, max_n)
+
+
+_argmax_op = None
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as logits.argmax(-1): a draft's greedy tokens, every draft step.
+    Contiguous fp32 logits on the CPU go through the C++ twin's vectorised pass (torch's op
+    takes about 2 ns a token on one thread: 0.3 ms a draft step at 32 rows of 4,096 tokens),
+    others (and a machine without the kernel) through torch."""
+    global _argmax_op
+    if _argmax_op is None:
+        _argmax_op = _build.load(False).argmax_rows if _kernel_ok(False) else False
+    if _argmax_op and logits.device.type == "cpu" and logits.dtype == torch.float32 and \
+            logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0:
+        return _argmax_op(logits)
+    return logits.argmax(-1)
 
 
 @dataclass
