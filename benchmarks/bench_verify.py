@@ -4,7 +4,8 @@
     python benchmarks/bench_verify.py --quick    # one shape
     python benchmarks/bench_verify.py --draws    # the cpu twin's vectorised host paths
                                                  # against its generic loops (plain draws
-                                                 # and speculating rows)
+                                                 # and speculating rows), and the drafts'
+                                                 # greedy tokens against torch's argmax
 
 Every request drafts k tokens from a draft distribution close to the target's (acceptance
 around 0.6-0.8); both backends get the same inputs and must return the same tokens.
@@ -21,7 +22,7 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from batchspec.spec.verify import rejection_sample  # noqa: E402
+from batchspec.spec.verify import greedy_tokens, rejection_sample  # noqa: E402
 
 
 def make_inputs(B, k, V, mode, dtype=torch.bfloat16, seed=0, device="cpu"):
@@ -82,6 +83,14 @@ def compare_draws(repeat):
         label = mode if mode != "random" else f"T={T}"
         print(f"B={B:>3} k={k} V={V:>6} {label:>7}: {host:.2f} / {generic:.2f} ms "
               f"({generic / host:.1f}x)")
+    print("drafts' greedy tokens, fp32 logits: greedy_tokens (the twin's argmax_rows) / "
+          "torch argmax(-1), ms")
+    for B in (1, 8, 32, 64):
+        logits = torch.randn(B, 4096) * 3
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+        ours = min(time_ms(partial(greedy_tokens, logits), repeat * 20) for _ in range(2))
+        ref = min(time_ms(partial(logits.argmax, -1), repeat * 20) for _ in range(2))
+        print(f"B={B:>3} V=  4096: {ours:.3f} / {ref:.3f} ms ({ref / ours:.1f}x)")
 
 
 def main():

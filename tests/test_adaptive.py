@@ -456,3 +456,34 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
             weighed.append(step)
             policy.choose_lengths([(s, "d", 4, False) for s in seqs], 0, lookups=True)
     assert weighed == list(range(EXPLORE, MAX_EXPLORE + 1, EXPLORE))
+
+
+def test_small_plans_weighed_in_python_match_numpy(monkeypatch):
+    """Plans of up to SMALL_PLAN slots are weighed without numpy: the same slots, rate,
+    tokens and seconds as the numpy path, ties included, over random rows and costs."""
+    import random
+
+    import batchspec.spec.policy as policy_module
+    rng = random.Random(0)
+    for trial in range(200):
+        b_costs = [rng.uniform(0.5, 2.0) for _ in range(3)]
+        extra = rng.choice([0.0, 1e-4, 1e-3, 5e-3])
+        target = {q: [0.01 * c * (1 + extra * (q - 1)) for c in b_costs] for q in range(1, 6)}
+        policy = make_policy(target, {"a": [1e-3, 2e-3, 9e-3], "b": [2e-4, 5e-4, 4e-3]})
+        num = rng.randint(1, 4)
+        rows = []
+        for _ in range(num):
+            src = rng.choice(["a", "b", "look"])
+            seq = rows_with(policy, 1, src, rng.choice([0.3, 0.6, 0.9, 0.9]))[0]
+            rows.append((seq, src, rng.randint(1, 4), src != "look"))
+        if trial % 2:          # survival ties within and across depths (0.5 * 0.5 = 0.25)
+            probs = [[rng.choice([0.25, 0.5, 0.75]) for _ in range(n)] for _, _, n, _ in rows]
+        else:
+            probs = [[rng.random() for _ in range(n)] for _, _, n, _ in rows]
+        num_rows = num + rng.randint(0, 3)
+        small = policy._plan(rows, probs, set(), num_rows)
+        monkeypatch.setattr(policy_module, "SMALL_PLAN", 0)
+        big = policy._plan(rows, probs, set(), num_rows)
+        monkeypatch.setattr(policy_module, "SMALL_PLAN", 16)
+        assert small[0] == big[0] and list(small[4]) == list(big[4])
+        assert small[1:4] == pytest.approx(big[1:4], rel=0, abs=0), (small[:4], big[:4])

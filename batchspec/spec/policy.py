@@ -34,6 +34,9 @@ CATCH_UP_PER_ROW = 4
 # The side behind takes the lead only once its corrected rate beats the leader's by this
 # factor.
 SWITCH_MARGIN = 1.05
+# Plans of at most this many slots are weighed in plain Python (SpecPolicy._plan): at one to
+# four rows numpy's per-call costs were most of a weighing's ~0.1 ms, a step in 25 at one row.
+SMALL_PLAN = 16
 # Mixes of temperatures whose measurements are kept besides the current one (_use_mix): a
 # worker serving jobs of many temperatures holds a bounded state.
 MAX_MIXES = 64
@@ -86,25 +89,28 @@ class StepCosts:
             for i in range(1, len(values)):
                 values[i] = max(values[i], values[i - 1])
 
+    def _target_at(self, b: int) -> list[float]:
+        """The target's time at B = b for q = 0 (unused), 1 .. k+1."""
+        t = self._per_q.get(b)
+        if t is None:
+            t = self._per_q[b] = [0.0] + [self.target_s(b, q)
+                                          for q in range(1, max(self.target) + 1)]
+        return t
+
     def target_tokens_s(self, b: int, num_tokens: int) -> float:
         """Target forward over b rows holding num_tokens tokens in all (ragged windows):
         interpolated between the uniform shapes of q = floor and ceil of the mean."""
         if b <= 0:
             return 0.0
-        q_max = max(self.target)
+        t = self._target_at(b)
+        q_max = len(t) - 1
         q = min(max(num_tokens / b, 1.0), float(q_max))
         lo = int(q)
-        hi = min(lo + 1, q_max)
-        t_lo = self.target_s(b, lo)
-        return t_lo + (q - lo) * (self.target_s(b, hi) - t_lo)
+        return t[lo] + (q - lo) * (t[min(lo + 1, q_max)] - t[lo])
 
     def target_tokens_s_many(self, b: int, num_tokens: np.ndarray) -> np.ndarray:
         """target_tokens_s for an array of token counts at one batch size."""
-        t = self._per_q.get(b)
-        if t is None:   # the target's time at B = b for q = 0 (unused), 1 .. k+1
-            q_max = max(self.target)
-            t = self._per_q[b] = np.array([0.0] + [self.target_s(b, q)
-                                                   for q in range(1, q_max + 1)])
+        t = np.asarray(self._target_at(b))
         q_max = len(t) - 1
         q = np.clip(num_tokens / b, 1.0, float(q_max))
         lo = q.astype(np.int64)
@@ -397,9 +403,9 @@ class SpecPolicy:
         if not survive:
             return 0, 0.0, 0.0, 0.0, [], row, depth
         # slots by survival, most likely first (ties: shallower, then earlier rows)
-        order = np.lexsort((row, depth, -np.asarray(survive))).tolist()
-        tokens = num_rows + np.cumsum(np.asarray(survive)[order])
-        n = np.arange(1, len(order) + 1)
+        small = len(survive) <= SMALL_PLAN
+        order = sorted(range(len(survive)), key=lambda j: (-survive[j], depth[j], row[j])) \
+            if small else np.lexsort((row, depth, -np.asarray(survive))).tolist()
         # each model draft's cost grows with the rows it runs at each depth: a slot at
         # depth d adds one row to its source's forward at d
         marginal = {src: costs.draft_marginal_s(src, len(rows))
@@ -414,6 +420,20 @@ class SpecPolicy:
                 draft_cost.append(marginal[src][c])
             else:
                 draft_cost.append(0.0)
+        if small:   # the same sums in the same order, without numpy's per-call costs
+            best_rate, best, kept, drafts = -1.0, 0, 0.0, 0.0
+            for i, j in enumerate(order):
+                kept += survive[j]
+                drafts += draft_cost[i]
+                tokens = num_rows + kept
+                sec = costs.target_tokens_s(num_rows, num_rows + i + 1) + drafts
+                rate = tokens / max(sec, 1e-12)
+                if rate > best_rate:
+                    best_rate, best, best_tokens, best_s = rate, i, tokens, sec
+            return (best + 1, float(best_rate), float(best_tokens), float(best_s), order, row,
+                    depth)
+        tokens = num_rows + np.cumsum(np.asarray(survive)[order])
+        n = np.arange(1, len(order) + 1)
         seconds = costs.target_tokens_s_many(num_rows, num_rows + n) + np.cumsum(draft_cost)
         rates = tokens / np.maximum(seconds, 1e-12)
         best = int(np.argmax(rates))
