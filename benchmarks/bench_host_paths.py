@@ -1,0 +1,70 @@
+"""What the verification op's host paths are worth to a job: one speculative method on the
+demo models with the host paths on and off (BATCHSPEC_VERIFY_HOST_DRAW=0: the verification
+op's generic loops, and a scalar loop for the drafts' greedy tokens), against plain
+decoding, in one process. The three take turns in every round; each ratio is the median
+over rounds of a run over the plain run of its round (docs/benchmarks.md).
+
+    python benchmarks/bench_host_paths.py --batch-size 32 --temperature 0 --method spec-domain
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from batchspec.config import default_dtype  # noqa: E402
+from batchspec.demo import demo_models  # noqa: E402
+from batchspec.tools import hfref  # noqa: E402
+from batchspec.tools.bench import METHODS, make_llm, run_engine  # noqa: E402
+from batchspec.tools.evaluate import load_prompts  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--method", default="spec-domain",
+                    choices=[m for m in METHODS if m not in ("hf", "hf-assisted", "plain")])
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    models = demo_models()
+    prompts = load_prompts(None, None, args.num_prompts, split="heldout", seed=0)
+    tok = hfref.load_tokenizer(models["target"])
+    ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    domains = [p["domain"] for p in prompts]
+    dtype = default_dtype(models["target"], "cpu")
+    variants = {"plain": ("plain", "1"), f"{args.method} (host paths)": (args.method, "1"),
+                f"{args.method} (generic loops)": (args.method, "0")}
+    llms = {name: make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
+            for name, (method, _) in variants.items()}
+
+    def run(name, prompt_ids):
+        os.environ["BATCHSPEC_VERIFY_HOST_DRAW"] = variants[name][1]
+        r = run_engine(llms[name], prompt_ids, domains=domains,
+                       temperature=args.temperature, max_tokens=args.max_tokens)
+        return r["tokens"] / r["wall_s"]
+
+    for name in variants:                       # warm-up: one batch each
+        run(name, ids[:args.batch_size])
+    tok_s = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name in variants:
+            tok_s[name].append(run(name, ids))
+    os.environ.pop("BATCHSPEC_VERIFY_HOST_DRAW")
+    print(f"B={args.batch_size} T={args.temperature} {args.num_prompts} prompts, "
+          f"{args.repeats} rounds, one thread")
+    for name, runs in tok_s.items():
+        paired = statistics.median(a / b for a, b in zip(runs, tok_s["plain"]))
+        print(f"{name:32s} fastest {max(runs):8.1f} tok/s  x plain (paired) {paired:.3f}  "
+              f"runs {', '.join(f'{x:.0f}' for x in runs)}")
+
+
+if __name__ == "__main__":
+    main()
