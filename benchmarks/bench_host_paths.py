@@ -1,10 +1,14 @@
-"""What the verification op's host paths are worth to a job: one speculative method on the
-demo models with the host paths on and off (BATCHSPEC_VERIFY_HOST_DRAW=0: the verification
-op's generic loops, and a scalar loop for the drafts' greedy tokens), against plain
-decoding, in one process. The three take turns in every round; each ratio is the median
-over rounds of a run over the plain run of its round (docs/benchmarks.md).
+"""What a CPU fast path is worth to a job: one speculative method on the demo models with
+the path on and off, against plain decoding, in one process. The three take turns in every
+round; each ratio is the median over rounds of a run over the plain run of its round
+(docs/benchmarks.md). --compare host-paths (default): the verification op's host paths
+against its generic loops and a scalar loop for the drafts' greedy tokens
+(BATCHSPEC_VERIFY_HOST_DRAW=0); --compare draft-head: the drafts' int8 output layer against
+their bf16 one (BATCHSPEC_CPU_DRAFT_HEAD=bf16).
 
     python benchmarks/bench_host_paths.py --batch-size 32 --temperature 0 --method spec-domain
+    python benchmarks/bench_host_paths.py --batch-size 1 --domain code --num-prompts 16 \
+        --compare draft-head
 """
 from __future__ import annotations
 
@@ -32,21 +36,29 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--domain", default=None, help="prompts of one domain [code and docs]")
+    ap.add_argument("--compare", choices=("host-paths", "draft-head"), default="host-paths")
     args = ap.parse_args()
     torch.set_num_threads(1)
     models = demo_models()
-    prompts = load_prompts(None, None, args.num_prompts, split="heldout", seed=0)
+    prompts = load_prompts(None, args.domain, args.num_prompts, split="heldout", seed=0)
     tok = hfref.load_tokenizer(models["target"])
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
     dtype = default_dtype(models["target"], "cpu")
-    variants = {"plain": ("plain", "1"), f"{args.method} (host paths)": (args.method, "1"),
-                f"{args.method} (generic loops)": (args.method, "0")}
-    llms = {name: make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
-            for name, (method, _) in variants.items()}
+    env, on, off, labels = {"host-paths": ("BATCHSPEC_VERIFY_HOST_DRAW", "1", "0",
+                                           ("host paths", "generic loops")),
+                            "draft-head": ("BATCHSPEC_CPU_DRAFT_HEAD", "int8", "bf16",
+                                           ("int8 draft head", "bf16 draft head"))}[args.compare]
+    variants = {"plain": ("plain", on), f"{args.method} ({labels[0]})": (args.method, on),
+                f"{args.method} ({labels[1]})": (args.method, off)}
+    llms = {}
+    for name, (method, value) in variants.items():    # (the draft head is chosen at load)
+        os.environ[env] = value
+        llms[name] = make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
 
     def run(name, prompt_ids):
-        os.environ["BATCHSPEC_VERIFY_HOST_DRAW"] = variants[name][1]
+        os.environ[env] = variants[name][1]
         r = run_engine(llms[name], prompt_ids, domains=domains,
                        temperature=args.temperature, max_tokens=args.max_tokens)
         return r["tokens"] / r["wall_s"]
@@ -57,8 +69,9 @@ def main():
     for _ in range(args.repeats):
         for name in variants:
             tok_s[name].append(run(name, ids))
-    os.environ.pop("BATCHSPEC_VERIFY_HOST_DRAW")
-    print(f"B={args.batch_size} T={args.temperature} {args.num_prompts} prompts, "
+    os.environ.pop(env)
+    print(f"B={args.batch_size} T={args.temperature} {args.num_prompts} prompts "
+          f"({args.domain or 'code and docs'}), "
           f"{args.repeats} rounds, one thread")
     for name, runs in tok_s.items():
         paired = statistics.median(a / b for a, b in zip(runs, tok_s["plain"]))

@@ -245,3 +245,39 @@ def test_cuda_matches_reference_large_vocab(cuda_ops, V):
 @pytest.mark.parametrize("T,top_k,top_p", SAMPLING_CASES)
 def test_cuda_sampling_is_exact(cuda_ops, T, top_k, top_p):
     check_sampling_is_exact("cuda", T, top_k, top_p)
+
+
+def head_int8_reference(x, packed, scale, N):
+    """A draft's int8 output layer in plain integer arithmetic (exact in float64 at these
+    sizes), then scaled as the op scales: what kernels/head_int8_cpu.cpp must return."""
+    NB, K4 = packed.shape[0], packed.shape[1]
+    wq = packed.permute(0, 2, 1, 3).reshape(NB * 16, K4 * 4)[:N].double()
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    q = torch.round(xf * (127.0 / amax)).clamp(-127, 127).nan_to_num(0.0)
+    qp = torch.zeros(x.shape[0], K4 * 4, dtype=torch.float64)
+    qp[:, :x.shape[1]] = q.double()
+    return (qp @ wq.T).float() * ((amax / 127.0) * scale[:N])
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_int8_head_is_its_integer_reference(ops, portable, monkeypatch):
+    """The int8 output layer of drafts: the VNNI path and the portable loop give the integer
+    reference's logits bit for bit (1-6 rows, widths on and off multiples of 4 and 16, bf16
+    and fp32 rows, a row of zeros), within the rounding of the reference's own logits."""
+    if portable:
+        monkeypatch.setenv("BATCHSPEC_CPU_HEAD_INT8_PORTABLE", "1")
+    g = torch.Generator().manual_seed(0)
+    for N, K, M, dtype in ((4096, 192, 1, torch.bfloat16), (4096, 192, 4, torch.float32),
+                           (37, 30, 3, torch.bfloat16), (100, 256, 6, torch.float32)):
+        w = torch.randn(N, K, generator=g).to(dtype)
+        packed, scale, sums = ops.pack_head_int8(w)
+        assert torch.equal(sums[:N], packed.permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 4)
+                           [:N].sum(1).int())
+        x = torch.randn(M, K, generator=g).to(dtype)
+        x[-1] = 0.0 if M > 2 else x[-1]
+        y = ops.head_int8(x, packed, scale, sums, N)
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        assert torch.equal(y, head_int8_reference(x, packed, scale, N)), (N, K, M, dtype)
+        exact = x.float() @ w.float().T
+        assert (y - exact).abs().max() <= 0.03 * exact.abs().max()

@@ -245,3 +245,35 @@ def test_adaptive_k_is_exact_and_measures_costs(tiny_llama, tiny_draft, plain):
     # fixed k would draft 4 per round; timing noise on models this small may make it try
     assert sum(o.stats["total_drafted"] for o in outs["random"]) < 0.5 * rounds
     assert sum(o.stats["total_drafted"] for o in outs["ngram"]) > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_drafts_output_layer_in_int8(tiny_llama, model_factory, plain, tied, monkeypatch):
+    """On CPUs with AVX512-VNNI a draft's forwards of up to 4 rows take an int8 copy of its
+    output layer (tied to the embeddings or its own): its logits move by the rounding only,
+    greedy outputs stay plain decoding's, and BATCHSPEC_CPU_DRAFT_HEAD=bf16 keeps bf16."""
+    from batchspec.models.llama import INT8_HEAD_MAX_ROWS
+    from batchspec.spec._build import load
+    draft = model_factory("llama", seed=1, num_layers=1, hidden_size=32, num_heads=2,
+                          num_kv_heads=1, tie_word_embeddings=tied)
+    kw = dict(drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
+              min_acceptance=0.0)
+    llm = LLM(tiny_llama, **kw)
+    model = llm.engine.proposers["default"].runner.model
+    if not load(False).head_int8_fast():
+        assert model.int8_head is None
+        pytest.skip("no AVX512-VNNI: drafts keep the bf16 output layer")
+    assert model.int8_head is not None
+    hidden = torch.randn(INT8_HEAD_MAX_ROWS + 1, 32)
+    int8 = model.compute_logits(hidden[:INT8_HEAD_MAX_ROWS])
+    model_head = model.int8_head
+    model.int8_head = None
+    full = model.compute_logits(hidden)
+    model.int8_head = model_head
+    assert not torch.equal(int8, full[:INT8_HEAD_MAX_ROWS])
+    assert (int8 - full[:INT8_HEAD_MAX_ROWS]).abs().max() <= 0.03 * full.abs().max()
+    assert torch.equal(model.compute_logits(hidden), full)     # 5 rows: the bf16 layer
+    for p, o in zip(plain, llm.generate(PROMPTS, GREEDY, use_tqdm=False)):
+        assert o.token_ids == p.token_ids
+    monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_HEAD", "bf16")
+    assert LLM(tiny_llama, **kw).engine.proposers["default"].runner.model.int8_head is None

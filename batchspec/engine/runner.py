@@ -30,6 +30,14 @@ class ModelRunner:
         self.kv_caches = None
         self.block_size = 16
 
+    def use_int8_head(self) -> bool:
+        """A draft's output layer in int8 for its forwards of few rows (LlamaForCausalLM.
+        use_int8_head); whether it took."""
+        weights = None if self.cfg.tie_word_embeddings else Checkpoint(self.path)
+        head = self.model.embed if weights is None or "lm_head.weight" not in weights else \
+            weights.get("lm_head.weight")
+        return self.model.use_int8_head(head[:self.cfg.vocab_size])
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.kv_caches = self.model.allocate_kv_cache(num_blocks, block_size, self.device)

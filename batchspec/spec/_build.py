@@ -4,7 +4,8 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
   cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler),
         plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp),
         the fused RMSNorm of a layer (kernels/fused_cpu.cpp), bf16 linear layers on AMX tiles
-        (kernels/linear_cpu.cpp) and the suffix trie of suffix
+        (kernels/linear_cpu.cpp), a draft's output layer in int8 (kernels/head_int8_cpu.cpp)
+        and the suffix trie of suffix
         drafts (kernels/suffix_trie.cpp; a pybind11 class, so this flavour is also a
         Python module: cpu_module())
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
@@ -90,6 +91,7 @@ def _compile(cuda: bool) -> None:
                                                [str(src / "paged_attention_cpu.cpp"),
                                                 str(src / "fused_cpu.cpp"),
                                                 str(src / "linear_cpu.cpp"),
+                                                str(src / "head_int8_cpu.cpp"),
                                                 str(src / "suffix_trie.cpp")])
     # -fno-trapping-math: no FP exception is ever observed, so loops with a clamp or a
     # select (the portable attention path's exp, the host draw's filter) vectorise; it
