@@ -21,10 +21,6 @@ from batchspec.models.loader import Checkpoint, ModelConfig
 
 log = logging.getLogger(__name__)
 PREPACK_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: decode/verify batches
-# A draft's int8 output layer (use_int8_head) serves forwards of at most this many rows: at
-# 1-4 rows it reads half the bytes of the bf16 one and is faster, at 8 slower
-# (docs/benchmarks.md); larger forwards keep the bf16 layer.
-INT8_HEAD_MAX_ROWS = 4
 
 
 class AmxWeight(NamedTuple):
@@ -219,12 +215,16 @@ class LlamaForCausalLM(nn.Module):
         self.int8_head = None          # (op, packed weight, scales, sums): use_int8_head
 
     def use_int8_head(self, head: torch.Tensor) -> bool:
-        """Give forwards of up to INT8_HEAD_MAX_ROWS rows an int8 copy of the output layer
-        `head` [vocab, hidden] (kernels/head_int8_cpu.cpp), for a draft model on a CPU with
-        AVX512-VNNI: the logits move by the rounding (about 1% of their range), which a draft
-        may do, since verification judges its drafts by the probabilities it used. False
-        (and nothing changes) on other devices and CPUs, under tensor parallelism, or with
-        BATCHSPEC_CPU_DRAFT_HEAD=bf16."""
+        """Compute logits with an int8 copy of the output layer `head` [vocab, hidden]
+        (kernels/head_int8_cpu.cpp), for a draft model on a CPU with AVX512-VNNI: the logits
+        move by the rounding (about 1% of their range), which a draft may do, since
+        verification judges its drafts by the probabilities it used. Every forward uses it,
+        whatever its rows: a row's logits are then the same in any batch (its quantization
+        and integer sums are its own), so a request's draft, and its sampled tokens, do not
+        depend on the rows it runs with. At one row it reads half the bytes of the bf16 layer
+        (13 against 40 us for the demo drafts); at 32 rows it is slower than the bf16 layer on
+        AMX tiles (about 1.4x). False (and nothing changes) on other devices and CPUs, under
+        tensor parallelism, or with BATCHSPEC_CPU_DRAFT_HEAD=bf16."""
         if self.embed.device.type != "cpu" or self.tp.size > 1 or \
                 os.environ.get("BATCHSPEC_CPU_DRAFT_HEAD", "int8") != "int8":
             return False
@@ -309,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden] -> logits [n, vocab] in fp32 (on rank 0; None on the others)."""
-        if self.int8_head is not None and hidden.shape[0] <= INT8_HEAD_MAX_ROWS:
+        if self.int8_head is not None:
             op, packed, scales, sums = self.int8_head
             return op(hidden, packed, scales, sums, self.cfg.vocab_size)
         logits = self.tp.gather_first(linear(hidden, self.lm_head, float_out=True))
