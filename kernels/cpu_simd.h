@@ -171,5 +171,41 @@ __attribute__((target("amx-tile"))) inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// One 2 x 2 block of tile products, the loop both AMX products share (tiles as
+// configure_tiles sets them): C tiles 4..7 = rows a0 (and a1, when `pair`) of A, lda bytes
+// apart, times weight blocks b0 (and b1, when `two`), over kt steps of 64 bytes of A's rows
+// and 1 KB of the blocks; stored to c[0] (a0 b0), c[1] (a0 b1), c[2] (a1 b0), c[3] (a1 b1),
+// 16 rows of 64 bytes each. Int8: u8 A and s8 B into int32 sums (AMX-INT8), else bf16 into
+// fp32 (AMX-BF16).
+template <bool Int8>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) inline void tile_products_2x2(
+    const uint8_t* a0, const uint8_t* a1, int64_t lda, const uint8_t* b0, const uint8_t* b1,
+    int64_t kt, bool pair, bool two, void* const c[4]) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t k = 0; k < kt; ++k) {
+    _tile_loadd(0, a0 + k * 64, lda);
+    _tile_loadd(2, b0 + k * 1024, 64);
+    if constexpr (Int8) _tile_dpbusd(4, 0, 2); else _tile_dpbf16ps(4, 0, 2);
+    if (two) {
+      _tile_loadd(3, b1 + k * 1024, 64);
+      if constexpr (Int8) _tile_dpbusd(5, 0, 3); else _tile_dpbf16ps(5, 0, 3);
+    }
+    if (pair) {
+      _tile_loadd(1, a1 + k * 64, lda);
+      if constexpr (Int8) _tile_dpbusd(6, 1, 2); else _tile_dpbf16ps(6, 1, 2);
+      if (two) {
+        if constexpr (Int8) _tile_dpbusd(7, 1, 3); else _tile_dpbf16ps(7, 1, 3);
+      }
+    }
+  }
+  _tile_stored(4, c[0], 64);
+  if (two) _tile_stored(5, c[1], 64);
+  if (pair) _tile_stored(6, c[2], 64);
+  if (pair && two) _tile_stored(7, c[3], 64);
+}
+
 }  // namespace bs
 #endif

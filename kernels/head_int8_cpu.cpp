@@ -1,6 +1,7 @@
-// A draft model's output layer in int8 on CPUs with AVX512-VNNI, for the few rows of a draft
-// step: logits = x . W^T with W quantized per output (symmetric: scale_n = max|W_n| / 127)
-// and each row of x per row (q = round(x * 127 / max|x|)), int32 sums.
+// A draft model's output layer in int8 on CPUs with AVX512-VNNI: logits = x . W^T with W
+// quantized per output (symmetric: scale_n = max|W_n| / 127) and each row of x per row
+// (q = round(x * 127 / max|x|)), int32 sums: with VNNI up to 7 rows, on AMX-INT8 tiles from
+// 8 (where the CPU has them). Both sum exactly, so a row's logits are the same in any batch.
 //
 // Why: at a handful of rows a draft's forward is bound by reading its weights, and its
 // output layer is most of them (the demo drafts: 1.5 of 2.4 MB; SmolLM2-135M: 28M of 135M
@@ -9,8 +10,9 @@
 // by the rounding; verification judges drafts by the probabilities the draft actually used,
 // so outputs stay exact.
 //
-// Layout: W [N, K] -> [ceil(N/16)][ceil(K/4)][16][4] int8, zero-padded: for a block of 16
-// outputs, each group of four inputs is one 64-byte vector, vpdpbusd's signed operand. x's
+// Layout: W [N, K] -> [ceil(N/16)][K4][16][4] int8, K4 = ceil(K/64) * 16, zero-padded: for a
+// block of 16 outputs, each group of four inputs is one 64-byte vector, vpdpbusd's signed
+// operand, and 16 such groups are one AMX-INT8 tile (B) as they lie. x's
 // row is stored as u8 (q + 128, padding 128): the sums are corrected by 128 * sum_k W[n, k].
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -34,7 +36,8 @@ constexpr int64_t N_BLOCK = 16, K_GROUP = 4;
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_head_int8(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2, "pack_head_int8: needs a 2-d weight [out, in]");
   const int64_t N = w.size(0), K = w.size(1);
-  const int64_t NB = (N + N_BLOCK - 1) / N_BLOCK, K4 = (K + K_GROUP - 1) / K_GROUP;
+  // K padded to whole 64-input tiles (AMX-INT8's operand; zero weights add nothing)
+  const int64_t NB = (N + N_BLOCK - 1) / N_BLOCK, K4 = (K + 63) / 64 * 16;
   const auto wf = w.to(at::kFloat).contiguous();
   auto scale = at::zeros({NB * N_BLOCK}, wf.options());
   scale.narrow(0, 0, N).copy_(wf.abs().amax(1) / 127.0f);
@@ -110,6 +113,49 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void head_rows_vnni(
 }
 #endif
 
+#if defined(BS_HAVE_AMX_TILES)
+inline bool amx_int8_usable() {
+  static const bool ok = bs::amx_permitted() && __builtin_cpu_supports("amx-int8");
+  return ok;
+}
+
+// rows [0, M) of y on AMX-INT8 tiles, 16 rows and two output blocks a product: the same
+// exact int32 sums as the VNNI path (so a row's logits do not depend on its batch).
+// xq: M rows of Kp u8 codes; tiles 0-1 x (A), 2-3 weights (B), 4-7 sums (C).
+__attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void head_rows_amx(
+    const uint8_t* xq, int64_t M, const float* sx, const int8_t* wp, const float* scale,
+    const int32_t* sums, int64_t NB, int64_t K4, int64_t N, float* y) {
+  bs::configure_tiles();
+  const int64_t Kp = K4 * K_GROUP, block = K4 * N_BLOCK * K_GROUP, kt = Kp / 64;
+  alignas(64) int32_t c[4][16 * 16];
+  for (int64_t m = 0; m < M; m += 32) {
+    const bool pair = m + 16 < M;
+    for (int64_t nb = 0; nb < NB; nb += 2) {
+      const bool two = nb + 1 < NB;
+      void* const tiles[4] = {c[0], c[1], c[2], c[3]};
+      bs::tile_products_2x2<true>(xq + m * Kp, xq + (m + 16) * Kp, Kp,
+                                  reinterpret_cast<const uint8_t*>(wp + nb * block),
+                                  reinterpret_cast<const uint8_t*>(wp + (nb + 1) * block), kt,
+                                  pair, two, tiles);
+      for (int t = 0; t < 4; ++t) {
+        if (((t & 1) && !two) || ((t & 2) && !pair)) continue;
+        const int64_t n = (nb + (t & 1)) * N_BLOCK, r0 = m + (t & 2 ? 16 : 0);
+        const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(sums + n), 7);   // 128 * sum
+        const __m512 sc = _mm512_loadu_ps(scale + n);
+        const __mmask16 mask = N - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - n)) - 1);
+        for (int64_t r = r0; r < std::min(r0 + 16, M); ++r) {
+          const __m512 v = _mm512_cvtepi32_ps(
+              _mm512_sub_epi32(_mm512_load_si512(c[t] + (r - r0) * 16), corr));
+          _mm512_mask_storeu_ps(y + r * N + n, mask,
+                                _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(sx[r]), sc)));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // x [M, K] bf16/fp32 -> logits [M, N] fp32 from pack_head_int8's tensors
 at::Tensor head_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& sums, int64_t out_features) {
@@ -119,11 +165,29 @@ at::Tensor head_int8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t NB = packed.size(0), K4 = packed.size(1), N = out_features;
   const auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = x2.size(0), K = x2.size(1);
-  TORCH_CHECK(K <= K4 * K_GROUP && K4 * K_GROUP - K < K_GROUP && N <= NB * N_BLOCK,
+  TORCH_CHECK(K <= K4 * K_GROUP && K4 * K_GROUP - K < 64 && K4 % 16 == 0 && N <= NB * N_BLOCK,
               "head_int8: the input's width or out_features does not match the weight");
   TORCH_CHECK(x2.scalar_type() == at::kBFloat16 || x2.scalar_type() == at::kFloat,
               "head_int8: bf16 or fp32 input");
   auto y = at::empty({M, N}, x2.options().dtype(at::kFloat));
+#if defined(BS_HAVE_AMX_TILES)
+  if (M >= 8 && amx_int8_usable() && std::getenv("BATCHSPEC_CPU_HEAD_INT8_PORTABLE") == nullptr) {
+    // all rows quantized into one buffer, 16-row tiles (the last one padded with code 128)
+    const int64_t Kp = K4 * K_GROUP, Mp = (M + 15) / 16 * 16;
+    std::vector<uint8_t> all(size_t(Mp * Kp), 128), row;
+    std::vector<float> scales(static_cast<size_t>(M));
+    for (int64_t r = 0; r < M; ++r) {
+      scales[size_t(r)] = x2.scalar_type() == at::kFloat
+          ? quantize_row(x2.data_ptr<float>() + r * K, K, Kp, row)
+          : quantize_row(x2.data_ptr<at::BFloat16>() + r * K, K, Kp, row);
+      std::memcpy(all.data() + r * Kp, row.data(), size_t(Kp));
+    }
+    head_rows_amx(all.data(), M, scales.data(), packed.data_ptr<int8_t>(),
+                  scale.data_ptr<float>(), sums.data_ptr<int32_t>(), NB, K4, N,
+                  y.data_ptr<float>());
+    return y;
+  }
+#endif
   std::vector<uint8_t> xq[4];
   float sx[4];
   const int8_t* wp = packed.data_ptr<int8_t>();

@@ -89,29 +89,13 @@ BS_AMX_LINEAR void linear_blocks(Rows rows, int64_t M, int64_t Kp, const uint16_
       for (int64_t m = mc; m < mend; m += 32) {
         const bool pair = m + 16 < mend;
         const auto [a0, lda0] = rows(m);
-        const auto [a1, lda1] = pair ? rows(m + 16) : rows(m);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        for (int64_t k = 0; k < kt; ++k) {
-          _tile_loadd(0, a0 + k * K_TILE, lda0 * 2);
-          _tile_loadd(2, b0 + k * 16 * 32, 64);
-          _tile_dpbf16ps(4, 0, 2);
-          if (two) {
-            _tile_loadd(3, b1 + k * 16 * 32, 64);
-            _tile_dpbf16ps(5, 0, 3);
-          }
-          if (pair) {
-            _tile_loadd(1, a1 + k * K_TILE, lda1 * 2);
-            _tile_dpbf16ps(6, 1, 2);
-            if (two) _tile_dpbf16ps(7, 1, 3);
-          }
-        }
-        _tile_stored(4, c[0], 64);
-        if (two) _tile_stored(5, c[1], 64);
-        if (pair) _tile_stored(6, c[2], 64);
-        if (pair && two) _tile_stored(7, c[3], 64);
+        const uint16_t* a1 = (pair ? rows(m + 16) : rows(m)).first;
+        // (a pair's rows share a stride: both in place in x, or both in the padded copy)
+        void* const tiles[4] = {c[0], c[1], c[2], c[3]};
+        bs::tile_products_2x2<false>(reinterpret_cast<const uint8_t*>(a0),
+                                     reinterpret_cast<const uint8_t*>(a1), lda0 * 2,
+                                     reinterpret_cast<const uint8_t*>(b0),
+                                     reinterpret_cast<const uint8_t*>(b1), kt, pair, two, tiles);
         for (int t = 0; t < 4; ++t) {
           if (((t & 1) && !two) || ((t & 2) && !pair)) continue;
           const int64_t n = (nb + (t & 1)) * N_BLOCK, r0 = m + (t & 2 ? 16 : 0);

@@ -254,7 +254,8 @@ def head_int8_reference(x, packed, scale, N):
     wq = packed.permute(0, 2, 1, 3).reshape(NB * 16, K4 * 4)[:N].double()
     xf = x.float()
     amax = xf.abs().amax(1, keepdim=True)
-    q = torch.round(xf * (127.0 / amax)).clamp(-127, 127).nan_to_num(0.0)
+    inv = torch.full_like(amax, 127.0) / amax      # (127.0 / t in torch is 127 * (1 / t))
+    q = torch.round(xf * inv).clamp(-127, 127).nan_to_num(0.0)
     qp = torch.zeros(x.shape[0], K4 * 4, dtype=torch.float64)
     qp[:, :x.shape[1]] = q.double()
     return (qp @ wq.T).float() * ((amax / 127.0) * scale[:N])
@@ -262,14 +263,17 @@ def head_int8_reference(x, packed, scale, N):
 
 @pytest.mark.parametrize("portable", [False, True])
 def test_int8_head_is_its_integer_reference(ops, portable, monkeypatch):
-    """The int8 output layer of drafts: the VNNI path and the portable loop give the integer
-    reference's logits bit for bit (1-6 rows, widths on and off multiples of 4 and 16, bf16
-    and fp32 rows, a row of zeros), within the rounding of the reference's own logits."""
+    """The int8 output layer of drafts: the VNNI path (up to 7 rows), the AMX-INT8 one (8 and
+    more) and the portable loop give the integer reference's logits bit for bit (1-40 rows,
+    widths on and off multiples of 4, 16 and 64, bf16 and fp32 rows, a row of zeros), within
+    the rounding of the reference's own logits."""
     if portable:
         monkeypatch.setenv("BATCHSPEC_CPU_HEAD_INT8_PORTABLE", "1")
     g = torch.Generator().manual_seed(0)
     for N, K, M, dtype in ((4096, 192, 1, torch.bfloat16), (4096, 192, 4, torch.float32),
-                           (37, 30, 3, torch.bfloat16), (100, 256, 6, torch.float32)):
+                           (37, 30, 3, torch.bfloat16), (100, 256, 6, torch.float32),
+                           (4096, 192, 8, torch.bfloat16), (50, 70, 17, torch.float32),
+                           (100, 256, 40, torch.bfloat16)):
         w = torch.randn(N, K, generator=g).to(dtype)
         packed, scale, sums = ops.pack_head_int8(w)
         assert torch.equal(sums[:N], packed.permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 4)

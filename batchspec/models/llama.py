@@ -222,9 +222,10 @@ class LlamaForCausalLM(nn.Module):
         whatever its rows: a row's logits are then the same in any batch (its quantization
         and integer sums are its own), so a request's draft, and its sampled tokens, do not
         depend on the rows it runs with. At one row it reads half the bytes of the bf16 layer
-        (13 against 40 us for the demo drafts); at 32 rows it is slower than the bf16 layer on
-        AMX tiles (about 1.4x). False (and nothing changes) on other devices and CPUs, under
-        tensor parallelism, or with BATCHSPEC_CPU_DRAFT_HEAD=bf16."""
+        (13 against 32 us for the demo drafts); from 8 rows on it runs on AMX-INT8 tiles where
+        the CPU has them (the same integer sums), 77 against 88 us at 32 rows. False (and
+        nothing changes) on other devices and CPUs, under tensor parallelism, or with
+        BATCHSPEC_CPU_DRAFT_HEAD=bf16."""
         if self.embed.device.type != "cpu" or self.tp.size > 1 or \
                 os.environ.get("BATCHSPEC_CPU_DRAFT_HEAD", "int8") != "int8":
             return False
