@@ -8,7 +8,10 @@
 3. a layer's elementwise ops in bf16 at the demo target's widths (hidden 256, MLP 768), the
    C++ ops (kernels/fused_cpu.cpp) vs the torch expressions they replace: RMSNorm with the
    residual add, and SwiGLU, at 32 rows (a decode step at batch size 32) and 160 (its
-   verification windows of 5 tokens).
+   verification windows of 5 tokens);
+4. a draft's output layer (the demo drafts' 4,096 x 192) in bf16 on AMX tiles vs its int8
+   copy (kernels/head_int8_cpu.cpp: AVX512-VNNI up to 7 rows, AMX-INT8 tiles from 8), at
+   1-64 rows, the weight read warm as in a round's draft steps.
 
     python benchmarks/bench_cpu_ops.py
 """
@@ -76,6 +79,17 @@ def main():
         act_torch = per_call_us(lambda x: F.silu(x[:, :768]) * x[:, 768:], [(gate_up,)] * 200)
         print(f"{rows:>4} rows: residual add + RMSNorm {norm:6.1f} / {norm_torch:6.1f}   "
               f"SwiGLU {act:6.1f} / {act_torch:6.1f}")
+    if layout != "amx" or not ops.head_int8_fast():
+        return
+    print("\ndraft output layer 4,096 x 192, us per call: int8 copy / bf16 on AMX tiles")
+    head = torch.randn(4096, 192).bfloat16() * 0.05
+    packed, scales, sums = ops.pack_head_int8(head)
+    bf16 = pack_amx(head)
+    for rows in (1, 4, 8, 32, 64):
+        x = torch.randn(rows, 192).bfloat16()
+        int8 = per_call_us(lambda a: ops.head_int8(a, packed, scales, sums, 4096), [(x,)] * 300)
+        tiles = per_call_us(lambda a: linear(a, bf16, float_out=True), [(x,)] * 300)
+        print(f"{rows:>4} rows: {int8:6.1f} / {tiles:6.1f}")
 
 
 if __name__ == "__main__":

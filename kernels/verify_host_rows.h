@@ -12,6 +12,7 @@
 // fp16 rows, rows shorter than 16 tokens, no AVX-512, a NaN or +inf among the scaled logits
 // (malformed input keeps the generic loop's behaviour), or BATCHSPEC_VERIFY_HOST_DRAW=0.
 #pragma once
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -28,8 +29,8 @@ inline bool host_draw_env() {
   const char* e = std::getenv("BATCHSPEC_VERIFY_HOST_DRAW");
   return e == nullptr || e[0] != '0';
 }
-inline bool& host_paths_on() {
-  static bool on = true;
+inline std::atomic<bool>& host_paths_on() {   // (atomic: ops may run on several threads)
+  static std::atomic<bool> on{true};
   return on;
 }
 

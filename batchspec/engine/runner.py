@@ -31,12 +31,14 @@ class ModelRunner:
         self.block_size = 16
 
     def use_int8_head(self) -> bool:
-        """A draft's output layer in int8 for its forwards of few rows (LlamaForCausalLM.
-        use_int8_head); whether it took."""
-        weights = None if self.cfg.tie_word_embeddings else Checkpoint(self.path)
-        head = self.model.embed if weights is None or "lm_head.weight" not in weights else \
-            weights.get("lm_head.weight")
-        return self.model.use_int8_head(head[:self.cfg.vocab_size])
+        """A draft's output layer in int8 (LlamaForCausalLM.use_int8_head); whether it
+        took. An untied layer is read from the checkpoint only if it does."""
+        def head() -> torch.Tensor:
+            weights = None if self.cfg.tie_word_embeddings else Checkpoint(self.path)
+            w = self.model.embed if weights is None or "lm_head.weight" not in weights else \
+                weights.get("lm_head.weight")
+            return w[:self.cfg.vocab_size]
+        return self.model.use_int8_head(head)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size

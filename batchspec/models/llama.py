@@ -214,16 +214,18 @@ class LlamaForCausalLM(nn.Module):
         self.fuse_swiglu_rope = True   # with self.fused: off leaves only RMSNorm fused (benchmarks)
         self.int8_head = None          # (op, packed weight, scales, sums): use_int8_head
 
-    def use_int8_head(self, head: torch.Tensor) -> bool:
-        """Compute logits with an int8 copy of the output layer `head` [vocab, hidden]
-        (kernels/head_int8_cpu.cpp), for a draft model on a CPU with AVX512-VNNI: the logits
+    def use_int8_head(self, head: Callable[[], torch.Tensor]) -> bool:
+        """Compute logits with an int8 copy of the output layer, head() [vocab, hidden]
+        (kernels/head_int8_cpu.cpp), instead of the bf16 one, which is dropped; for a draft
+        model on a CPU with AVX512-VNNI: the logits
         move by the rounding (about 1% of their range), which a draft may do, since
         verification judges its drafts by the probabilities it used. Every forward uses it,
         whatever its rows: a row's logits are then the same in any batch (its quantization
         and integer sums are its own), so a request's draft, and its sampled tokens, do not
         depend on the rows it runs with. At one row it reads half the bytes of the bf16 layer
-        (13 against 32 us for the demo drafts); from 8 rows on it runs on AMX-INT8 tiles where
-        the CPU has them (the same integer sums), 77 against 88 us at 32 rows. False (and
+        (12.5 against 34 us for the demo drafts); from 8 rows on it runs on AMX-INT8 tiles
+        where the CPU has them (the same integer sums), 79 against 147 us at 32 rows
+        (benchmarks/bench_cpu_ops.py). False (and
         nothing changes) on other devices and CPUs, under tensor parallelism, or with
         BATCHSPEC_CPU_DRAFT_HEAD=bf16."""
         if self.embed.device.type != "cpu" or self.tp.size > 1 or \
@@ -234,10 +236,11 @@ class LlamaForCausalLM(nn.Module):
             ops = load(False)
             if not ops.head_int8_fast():
                 return False
-            self.int8_head = (ops.head_int8, *ops.pack_head_int8(head))
+            self.int8_head = (ops.head_int8, *ops.pack_head_int8(head()))
         except Exception as e:  # noqa: BLE001 - no compiler: the bf16 layer
             log.warning("int8 output layer unavailable (%s); using bf16", e)
             return False
+        self.lm_head = None   # every forward takes the int8 copy
         return True
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
