@@ -54,6 +54,74 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
         assert o.token_ids == p.token_ids
 
 
+@pytest.mark.parametrize("head", ["int8", "bf16"])
+def test_greedy_draft_steps_in_cpp_are_the_forwards(model_factory, head, monkeypatch):
+    """Greedy draft steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with
+    AMX weights: every step's token and the keys and values it writes are the runner's
+    forward's, bit for bit, for rows of ragged pending feeds and step counts that cross block
+    boundaries, with either output layer; in a job, the drafts (so the acceptance counts) are
+    those of the step-by-step loop; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off."""
+    from batchspec.engine.runner import ModelRunner
+    from batchspec.spec._build import load
+    from batchspec.spec.verify import greedy_tokens
+    if head == "bf16":
+        monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_HEAD", "bf16")
+    draft = model_factory("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
+                          num_kv_heads=1, tie_word_embeddings=head == "int8")
+    runner = ModelRunner(draft, "cpu", "bfloat16")
+    if runner.model.weight_layout != "amx":
+        pytest.skip("the C++ draft steps run the AMX linear op")
+    if head == "int8" and not (load(False).head_int8_fast() and runner.use_int8_head()):
+        pytest.skip("no AVX512-VNNI: no int8 output layer")
+    runner.allocate_kv_cache(64, 16)
+    g = torch.Generator().manual_seed(0)
+    ctx = [30, 15, 47, 9]          # the steps cross blocks 1-2, 0-1, 2-3 (block size 16)
+    tables = [[7, 3, 12, 0], [5, 9], [1, 2, 4, 6], [8, 10]]
+    for n, t in zip(ctx, tables):
+        runner.forward([torch.randint(1, 500, (n,), generator=g).tolist()], [0], [t], [1])
+    # pending tokens: a round's accepted tokens and bonus, or one token
+    feeds = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (1, 3, 5, 1)]
+    steps = [5, 4, 1, 6]
+    caches = [c for pair in runner.kv_caches for c in pair]
+    before = [c.clone() for c in caches]
+
+    def python_steps():
+        drafted, pos, cur = [[] for _ in steps], list(ctx), [list(f) for f in feeds]
+        active = list(range(len(steps)))
+        while active:
+            logits = runner.forward([cur[a] for a in active], [pos[a] for a in active],
+                                    [tables[a] for a in active], [1] * len(active))
+            for a, t in zip(active, greedy_tokens(logits).tolist()):
+                drafted[a].append(t)
+                pos[a] += len(cur[a])
+                cur[a] = [t]
+            active = [a for a in active if len(drafted[a]) < steps[a]]
+        return drafted
+
+    want = python_steps()
+    want_kv = [c.clone() for c in caches]
+    for c, b in zip(caches, before):
+        c.copy_(b)
+    got = runner.greedy_steps(feeds, ctx, tables, steps)
+    assert got == want and [len(t) for t in got] == steps
+    for c, w, b in zip(caches, want_kv, before):
+        assert torch.equal(c, w) and not torch.equal(c, b)
+
+    target = model_factory("llama", seed=2, hidden_size=128, num_heads=2, num_kv_heads=1)
+    kw = dict(drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
+              dtype="bfloat16", min_acceptance=0.0)
+    llm = LLM(target, **kw)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.proposers["default"].runner._steps    # the C++ steps ran
+    monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_STEPS", "python")
+    stepwise = LLM(target, **kw)
+    assert stepwise.engine.proposers["default"].runner.model.greedy_steps_weights() is None
+    for a, b in zip(outs, stepwise.generate(PROMPTS, GREEDY, use_tqdm=False)):
+        assert a.token_ids == b.token_ids
+        assert (a.stats["total_drafted"], a.stats["total_accepted"]) == \
+            (b.stats["total_drafted"], b.stats["total_accepted"])
+
+
 def test_perfect_draft_accepts_everything(tiny_llama, monkeypatch):
     monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_HEAD", "bf16")   # the target's own output layer
     k = 4

@@ -3,13 +3,21 @@ tokens into batch tensors and runs the forward pass. Used for the target and eac
 tensor-parallel target runs one per rank (batchspec.engine.distributed)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from batchspec.layers.attention import build_metadata, flash_available
+from batchspec.layers.attention import (
+    DECODE_MAX_Q,
+    build_metadata,
+    cpu_attention_kernel,
+    flash_available,
+)
 from batchspec.layers.parallel import SINGLE, TensorParallel
 from batchspec.models.llama import LlamaForCausalLM
 from batchspec.models.loader import Checkpoint, read_config
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,11 +46,49 @@ class ModelRunner:
             w = self.model.embed if weights is None or "lm_head.weight" not in weights else \
                 weights.get("lm_head.weight")
             return w[:self.cfg.vocab_size]
+        self._steps = None
         return self.model.use_int8_head(head)
+
+    _steps = None   # (op, weights, dims, caches) of greedy_steps, or False: not here
+
+    def greedy_steps(self, feeds: list[list[int]], positions: list[int],
+                     block_tables: list[list[int]], steps: list[int]) -> list[list[int]] | None:
+        """Greedy draft steps in one C++ call (kernels/draft_steps_cpu.cpp): row i feeds
+        feeds[i] (1 to DECODE_MAX_Q tokens) from positions[i], then the argmax of its last
+        logits, for steps[i] >= 1 forwards; returns each row's steps[i] tokens. The same
+        logits as `forward`'s, bit for bit. None where the op does not cover this model
+        (LlamaForCausalLM.greedy_steps_weights), device or rows: the caller then steps with
+        `forward`."""
+        if self._steps is None:
+            self._steps = False
+            weights = self.model.greedy_steps_weights()
+            if weights is not None and self.attention_backend == "torch" and \
+                    cpu_attention_kernel() is not None:
+                try:
+                    from batchspec.spec._build import load
+                    op = load(False).draft_greedy_steps
+                    caches = [t for pair in self.kv_caches for t in pair]
+                    self._steps = (op, weights, self.model.greedy_step_dims(), caches)
+                except Exception as e:  # noqa: BLE001 - no compiler: forward
+                    log.warning("C++ draft steps unavailable (%s); using the forward", e)
+        if not self._steps or any(len(f) > DECODE_MAX_Q for f in feeds):
+            return None
+        op, weights, dims, caches = self._steps
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
+                              dtype=torch.long)
+        longs = torch.tensor([t for f in feeds for t in f] + [len(f) for f in feeds] +
+                             positions + steps, dtype=torch.long)
+        T, R = longs.shape[0] - 3 * len(feeds), len(feeds)
+        out = op(weights, dims, self.model.cfg.rms_norm_eps, self.model.scale,
+                 self.block_size, caches, longs[:T], longs[T:T + R], longs[T + R:T + 2 * R],
+                 tables, longs[T + 2 * R:]).tolist()
+        return [row[:n] for row, n in zip(out, steps)]
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.kv_caches = self.model.allocate_kv_cache(num_blocks, block_size, self.device)
+        self._steps = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_bytes_per_block(block_size)

@@ -227,6 +227,11 @@ def _cpu_kernel(q, meta):
     return _cpu_op
 
 
+def cpu_attention_kernel():
+    """The C++ paged attention op short rows use on CPU, or None (gather + SDPA)."""
+    return _load_cpu_op() or None
+
+
 def _load_cpu_op():
     """The kernel's op, built on first use; False where it cannot be (gather + SDPA then)."""
     global _cpu_op

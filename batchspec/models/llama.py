@@ -243,6 +243,36 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None   # every forward takes the int8 copy
         return True
 
+    def greedy_steps_weights(self) -> list[torch.Tensor] | None:
+        """The weights of kernels/draft_steps_cpu.cpp's draft_greedy_steps, in its order, or
+        None where that op does not compute this forward: it covers a model on CPU with AMX
+        packed linear weights, the fused C++ layer ops, no q/k norm, no bias, no sliding
+        window and one rank (BATCHSPEC_CPU_DRAFT_STEPS=python turns it off)."""
+        cfg = self.cfg
+        if self.fused is None or not self.fuse_swiglu_rope or self.weight_layout != "amx" or \
+                cfg.qk_norm or cfg.attention_bias or cfg.sliding_window is not None or \
+                self.tp.size > 1 or any(layer["o_bias"] is not None for layer in self.layers) \
+                or os.environ.get("BATCHSPEC_CPU_DRAFT_STEPS", "cpp") == "python":
+            return None
+        if self.int8_head is not None:
+            head = list(self.int8_head[1:])
+        elif isinstance(self.lm_head, AmxWeight) and \
+                self.lm_head.out_features == cfg.vocab_size:
+            head = [self.lm_head.packed]
+        else:
+            return None
+        weights = [self.embed, self.cos, self.sin, self.final_norm] + head
+        for layer in self.layers:
+            weights += [layer["in_norm"], layer["post_norm"], layer["qkv"].packed,
+                        layer["o"].packed, layer["gate_up"].packed, layer["down"].packed]
+        return weights
+
+    def greedy_step_dims(self) -> list[int]:
+        cfg = self.cfg
+        return [cfg.num_layers, self.num_heads, self.num_kv_heads, cfg.head_dim,
+                cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+                0 if self.int8_head is not None else 1]
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.embed)

@@ -92,6 +92,7 @@ def _compile(cuda: bool) -> None:
                                                 str(src / "fused_cpu.cpp"),
                                                 str(src / "linear_cpu.cpp"),
                                                 str(src / "head_int8_cpu.cpp"),
+                                                str(src / "draft_steps_cpu.cpp"),
                                                 str(src / "suffix_trie.cpp")])
     # -fno-trapping-math: no FP exception is ever observed, so loops with a clamp or a
     # select (the portable attention path's exp, the host draw's filter) vectorise; it

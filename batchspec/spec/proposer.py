@@ -69,9 +69,12 @@ class DraftModelProposer:
         """rows: (seq, max_drafts >= 1). Brings each row's draft KV up to date, then drafts
         up to max_drafts tokens per row, all rows in one forward per draft step."""
         out = [Proposal([], None) for _ in rows]
+        feed = [seq.token_ids[seq.spec.num_draft_computed:] for seq, _ in rows]
+        if self.threshold == 0 and all(seq.params.temperature == 0 for seq, _ in rows) and \
+                self._greedy(rows, list(range(len(rows))), feed, out):
+            return out
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
-        feed = [seq.token_ids[seq.spec.num_draft_computed:] for seq, _ in rows]
         step = 0
         while active:
             seqs = [rows[i][0] for i in active]
@@ -112,10 +115,34 @@ class DraftModelProposer:
                     still.append(i)
             active = still
             step += 1
+            if active and all_greedy and self.threshold == 0 and \
+                    self._greedy(rows, active, feed, out):
+                break
         for i, p in enumerate(probs):
             if p and len(p) == len(out[i].token_ids):
                 out[i].probs = torch.stack(p)
         return out
+
+    def _greedy(self, rows, active: list[int], feed: list[list[int]],
+                out: list[Proposal]) -> bool:
+        """The active rows' remaining drafts, where all are greedy and no confidence rule
+        applies: each step feeds the row's pending tokens and takes the argmax, so the whole
+        loop runs in one C++ call where the draft's model has one (ModelRunner.greedy_steps,
+        which needs short pending feeds: after a row's first round, its last accepted tokens).
+        False where it does not (the caller steps with the forward)."""
+        seqs = [rows[i][0] for i in active]
+        more = [rows[i][1] - len(out[i].token_ids) for i in active]
+        if not all(feed[i] for i in active):
+            return False
+        drafted = self.runner.greedy_steps(
+            [feed[i] for i in active], [s.spec.num_draft_computed for s in seqs],
+            [s.block_table for s in seqs], more)
+        if drafted is None:
+            return False
+        for i, s, n, toks in zip(active, seqs, more, drafted):
+            out[i].token_ids.extend(toks)
+            s.spec.num_draft_computed += len(feed[i]) + n - 1
+        return True
 
 
 class NgramProposer:

@@ -1,0 +1,202 @@
+// A draft model's greedy steps on CPU in one call: each row feeds its pending tokens (the
+// ones the draft has not seen: the last round's accepted tokens and bonus), takes the argmax
+// of its last token's logits, and feeds that token to the next step, `steps` times.
+//
+// Why: a draft model is small, and at a handful of rows its forward is bound by dispatch,
+// not arithmetic. The demo drafts' forward of one row does about 70 us of work in 250 us of
+// Python and torch dispatch, and a round pays it k times. Here the same ops run from C++
+// (through the dispatcher: the very kernels the Python forward calls), and the step's
+// bookkeeping, which the engine would redo in Python per step (token and position tensors,
+// cache slots, attention rows, the argmax), is a few integer operations.
+//
+// The forward is LlamaForCausalLM.forward's (batchspec/models/llama.py) for a model with AMX
+// packed linear weights, the fused C++ layer ops, the C++ paged attention, no q/k norm, no
+// bias, no sliding window and one rank: the same ops in the same order on the same inputs,
+// so its logits, and so its tokens, are the Python forward's bit for bit (tested). The
+// Python side decides when it applies (ModelRunner.greedy_steps).
+//
+// weights:   embed, cos, sin, final norm, the head (int8: packed, scales, sums; bf16: the
+//            packed layer), then per layer: input norm, post-attention norm, qkv, o,
+//            gate_up, down
+// dims:      layers, q heads, kv heads, head dim, hidden, intermediate, vocab, head kind
+//            (0 int8, 1 bf16)
+// caches:    per layer k, v [slots, kv heads, head dim]
+// feed:      the rows' pending tokens, concatenated; feed_lens [R] (1-16 each)
+// positions: [R] the position of each row's first pending token; block_tables [R, width];
+// steps:     [R] forwards per row (>= 1). Returns [R, max(steps)] int64: each step's token,
+//            -1 past a row's steps.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#ifndef BS_NS
+#define BS_NS batchspec
+#endif
+#define BS_STR2(x) #x
+#define BS_STR(x) BS_STR2(x)
+
+namespace {
+
+using at::Tensor;
+
+c10::OperatorHandle find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(
+      (std::string(BS_STR(BS_NS)) + "::" + name).c_str(), "");
+}
+
+template <class F>
+c10::TypedOperatorHandle<F> typed(const char* name) {
+  return find_op(name).typed<F>();
+}
+
+using LinearF = Tensor(const Tensor&, const Tensor&, int64_t, int64_t,
+                       const std::optional<Tensor>&, bool);
+using NormF = Tensor(const Tensor&, const Tensor&, double);
+using AddNormF = Tensor(Tensor&, const Tensor&, const Tensor&, double);
+using UnaryF = Tensor(const Tensor&);
+using RopeF = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                         const Tensor&, int64_t, int64_t);
+using AttentionF = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const Tensor&, double, int64_t, Tensor&);
+using HeadF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
+
+struct Ops {
+  c10::TypedOperatorHandle<LinearF> linear = typed<LinearF>("linear_packed");
+  c10::TypedOperatorHandle<NormF> rms_norm = typed<NormF>("rms_norm");
+  c10::TypedOperatorHandle<AddNormF> add_rms_norm = typed<AddNormF>("add_rms_norm_");
+  c10::TypedOperatorHandle<UnaryF> silu_mul = typed<UnaryF>("silu_mul");
+  c10::TypedOperatorHandle<RopeF> rope_qk = typed<RopeF>("rope_qk");
+  c10::TypedOperatorHandle<AttentionF> attention = typed<AttentionF>("paged_decode_attention");
+  c10::TypedOperatorHandle<HeadF> head_int8 = typed<HeadF>("head_int8");
+  c10::TypedOperatorHandle<UnaryF> argmax = typed<UnaryF>("argmax_rows");
+};
+
+const Ops& ops() {
+  static const Ops o;
+  return o;
+}
+
+constexpr int64_t GLOBALS = 4;      // embed, cos, sin, final norm
+constexpr int64_t PER_LAYER = 6;    // in norm, post norm, qkv, o, gate_up, down
+constexpr int64_t MAX_FEED = 16;    // a short row (DECODE_MAX_Q of layers/attention.py)
+
+Tensor draft_greedy_steps(at::TensorList weights, at::IntArrayRef dims, double eps,
+                          double scale, int64_t block_size, at::TensorList caches,
+                          const Tensor& feed, const Tensor& feed_lens, const Tensor& positions,
+                          const Tensor& block_tables, const Tensor& steps) {
+  c10::InferenceMode guard;
+  TORCH_CHECK(dims.size() == 8, "draft_greedy_steps: 8 dims");
+  const int64_t L = dims[0], Hq = dims[1], Hkv = dims[2], D = dims[3], H = dims[4],
+                I = dims[5], V = dims[6], head_kind = dims[7];
+  const int64_t head_n = head_kind == 0 ? 3 : 1;
+  TORCH_CHECK(L > 0 && int64_t(weights.size()) == GLOBALS + head_n + PER_LAYER * L &&
+                  int64_t(caches.size()) == 2 * L,
+              "draft_greedy_steps: weights or caches do not match the dims");
+  const int64_t R = feed_lens.numel();
+  for (const Tensor* t : {&feed, &feed_lens, &positions, &block_tables, &steps})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "draft_greedy_steps: contiguous int64 feed, lengths, positions, tables, steps");
+  TORCH_CHECK(positions.numel() == R && steps.numel() == R && block_tables.dim() == 2 &&
+                  block_tables.size(0) == R,
+              "draft_greedy_steps: feed_lens, positions, steps [R], block_tables [R, width]");
+  const Ops& op = ops();
+  const Tensor &embed = weights[0], &cos = weights[1], &sin = weights[2],
+               &final_norm = weights[3];
+  const int64_t qs = Hq * D, kvs = Hkv * D, W = block_tables.size(1);
+  const int64_t* tab = block_tables.data_ptr<int64_t>();
+  const int64_t* nsteps = steps.data_ptr<int64_t>();
+  // each row's tokens to feed next (first its catch-up, then its last draft) and position
+  std::vector<std::vector<int64_t>> pending(R);
+  std::vector<int64_t> pos(positions.data_ptr<int64_t>(), positions.data_ptr<int64_t>() + R);
+  const int64_t* f = feed.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = feed_lens.data_ptr<int64_t>()[r];
+    TORCH_CHECK(n >= 1 && n <= MAX_FEED && nsteps[r] >= 1,
+                "draft_greedy_steps: each row feeds 1-16 tokens and runs at least one step");
+    pending[r].assign(f, f + n);
+    f += n;
+  }
+  TORCH_CHECK(f == feed.data_ptr<int64_t>() + feed.numel(), "draft_greedy_steps: feed length");
+  const int64_t most = R ? *std::max_element(nsteps, nsteps + R) : 0;
+  Tensor out = at::full({R, most}, -1, feed.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  const auto i64 = feed.options();
+  for (int64_t s = 0; s < most; ++s) {
+    // the step's inputs, as the runner and build_metadata make them for short rows
+    std::vector<int64_t> active, ids, pids, slots, rows, last;
+    for (int64_t r = 0; r < R; ++r) {
+      if (nsteps[r] <= s) continue;
+      const int64_t first = ids.size(), q = pending[r].size();
+      for (int64_t j = 0; j < q; ++j) {
+        const int64_t p = pos[r] + j;
+        TORCH_CHECK(p / block_size < W, "draft_greedy_steps: a row's block table is too short");
+        ids.push_back(pending[r][j]);
+        pids.push_back(p);
+        slots.push_back(tab[r * W + p / block_size] * block_size + p % block_size);
+      }
+      rows.insert(rows.end(), {first, q, pos[r] + q});
+      last.push_back(first + q - 1);
+      active.push_back(r);
+    }
+    const int64_t M = active.size(), T = ids.size();
+    auto tensor = [&](const std::vector<int64_t>& v) {
+      return at::from_blob(const_cast<int64_t*>(v.data()), {int64_t(v.size())}, i64).clone();
+    };
+    const Tensor p = tensor(pids), slot_mapping = tensor(slots),
+                 row_info = tensor(rows).view({M, 3}),
+                 blocks = block_tables.index_select(0, tensor(active));
+    Tensor h = at::embedding(embed, tensor(ids)), x, mlp_out;
+    for (int64_t l = 0; l < L; ++l) {
+      const Tensor* w = weights.data() + GLOBALS + head_n + PER_LAYER * l;
+      x = l == 0 ? op.rms_norm.call(h, w[0], eps) : op.add_rms_norm.call(h, mlp_out, w[0], eps);
+      Tensor qkv = op.linear.call(x, w[2], H, qs + 2 * kvs, std::nullopt, false);
+      Tensor v = qkv.slice(1, qs + kvs).view({T, Hkv, D});
+      auto [q, k] = op.rope_qk.call(qkv, cos, sin, p, Hq, Hkv);
+      Tensor k_cache = caches[2 * l], v_cache = caches[2 * l + 1];
+      k_cache.index_copy_(0, slot_mapping, k);
+      v_cache.index_copy_(0, slot_mapping, v);
+      Tensor att = at::empty_like(q);
+      op.attention.call(q.contiguous(), k_cache, v_cache, blocks, row_info, scale, block_size,
+                        att);
+      Tensor proj = op.linear.call(att.reshape({T, qs}), w[3], qs, H, std::nullopt, false);
+      x = op.add_rms_norm.call(h, proj, w[1], eps);
+      Tensor gate_up = op.linear.call(x, w[4], H, 2 * I, std::nullopt, false);
+      mlp_out = op.linear.call(op.silu_mul.call(gate_up), w[5], I, H, std::nullopt, false);
+    }
+    x = op.add_rms_norm.call(h, mlp_out, final_norm, eps);
+    if (T != M) x = x.index_select(0, tensor(last));   // each row's last token
+    Tensor logits;
+    if (head_kind == 0) {
+      logits = op.head_int8.call(x, weights[GLOBALS], weights[GLOBALS + 1],
+                                 weights[GLOBALS + 2], V);
+    } else {
+      logits = op.linear.call(x, weights[GLOBALS], H, V, std::nullopt, true);
+    }
+    const Tensor next = op.argmax.call(logits);
+    const int64_t* nx = next.data_ptr<int64_t>();
+    for (int64_t a = 0; a < M; ++a) {
+      const int64_t r = active[a];
+      o[r * most + s] = nx[a];
+      pos[r] += pending[r].size();
+      pending[r].assign(1, nx[a]);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
+  m.def("draft_greedy_steps(Tensor[] weights, int[] dims, float eps, float scale, "
+        "int block_size, Tensor[] caches, Tensor feed, Tensor feed_lens, Tensor positions, "
+        "Tensor block_tables, Tensor steps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(BS_NS, CPU, m) { m.impl("draft_greedy_steps", &draft_greedy_steps); }
