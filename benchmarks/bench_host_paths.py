@@ -4,11 +4,14 @@ round; each ratio is the median over rounds of a run over the plain run of its r
 (docs/benchmarks.md). --compare host-paths (default): the verification op's host paths
 against its generic loops and a scalar loop for the drafts' greedy tokens
 (BATCHSPEC_VERIFY_HOST_DRAW=0); --compare draft-head: the drafts' int8 output layer against
-their bf16 one (BATCHSPEC_CPU_DRAFT_HEAD=bf16).
+their bf16 one (BATCHSPEC_CPU_DRAFT_HEAD=bf16); --compare draft-steps: a draft's steps in one
+C++ call against the step-by-step loop (BATCHSPEC_CPU_DRAFT_STEPS=python).
 
     python benchmarks/bench_host_paths.py --batch-size 32 --temperature 0 --method spec-domain
     python benchmarks/bench_host_paths.py --batch-size 1 --domain code --num-prompts 16 \
         --compare draft-head
+    python benchmarks/bench_host_paths.py --batch-size 8 --temperature 0.8 \
+        --compare draft-steps
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--domain", default=None, help="prompts of one domain [code and docs]")
-    ap.add_argument("--compare", choices=("host-paths", "draft-head"), default="host-paths")
+    ap.add_argument("--compare", choices=("host-paths", "draft-head", "draft-steps"),
+                    default="host-paths")
     args = ap.parse_args()
     torch.set_num_threads(1)
     models = demo_models()
@@ -49,11 +53,13 @@ def main():
     env, on, off, labels = {"host-paths": ("BATCHSPEC_VERIFY_HOST_DRAW", "1", "0",
                                            ("host paths", "generic loops")),
                             "draft-head": ("BATCHSPEC_CPU_DRAFT_HEAD", "int8", "bf16",
-                                           ("int8 draft head", "bf16 draft head"))}[args.compare]
+                                           ("int8 draft head", "bf16 draft head")),
+                            "draft-steps": ("BATCHSPEC_CPU_DRAFT_STEPS", "cpp", "python",
+                                            ("C++ draft steps", "step by step"))}[args.compare]
     variants = {"plain": ("plain", on), f"{args.method} ({labels[0]})": (args.method, on),
                 f"{args.method} ({labels[1]})": (args.method, off)}
     llms = {}
-    for name, (method, value) in variants.items():    # (the draft head is chosen at load)
+    for name, (method, value) in variants.items():    # (each switch is read at load)
         os.environ[env] = value
         llms[name] = make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
 

@@ -1,30 +1,35 @@
-// A draft model's greedy steps on CPU in one call: each row feeds its pending tokens (the
-// ones the draft has not seen: the last round's accepted tokens and bonus), takes the argmax
-// of its last token's logits, and feeds that token to the next step, `steps` times.
+// A draft model's steps on CPU in one call: each row feeds its pending tokens (the ones the
+// draft has not seen: the last round's accepted tokens and bonus), draws a token from its
+// last token's logits (greedy rows: the argmax), and feeds that token to the next step,
+// `steps` times.
 //
 // Why: a draft model is small, and at a handful of rows its forward is bound by dispatch,
 // not arithmetic. The demo drafts' forward of one row does about 70 us of work in 250 us of
 // Python and torch dispatch, and a round pays it k times. Here the same ops run from C++
 // (through the dispatcher: the very kernels the Python forward calls), and the step's
 // bookkeeping, which the engine would redo in Python per step (token and position tensors,
-// cache slots, attention rows, the argmax), is a few integer operations.
+// cache slots, attention rows, the draw), is a few integer operations.
 //
 // The forward is LlamaForCausalLM.forward's (batchspec/models/llama.py) for a model with AMX
 // packed linear weights, the fused C++ layer ops, the C++ paged attention, no q/k norm, no
-// bias, no sliding window and one rank: the same ops in the same order on the same inputs,
-// so its logits, and so its tokens, are the Python forward's bit for bit (tested). The
-// Python side decides when it applies (ModelRunner.greedy_steps).
+// bias, no sliding window and one rank; the draw is DraftModelProposer.propose's without
+// top-k or top-p. The same ops in the same order on the same inputs, so the logits, q and
+// the tokens are the Python loop's bit for bit (tested). The Python side decides when it
+// applies (ModelRunner.draft_steps).
 //
-// weights:   embed, cos, sin, final norm, the head (int8: packed, scales, sums; bf16: the
-//            packed layer), then per layer: input norm, post-attention norm, qkv, o,
-//            gate_up, down
-// dims:      layers, q heads, kv heads, head dim, hidden, intermediate, vocab, head kind
-//            (0 int8, 1 bf16)
-// caches:    per layer k, v [slots, kv heads, head dim]
-// feed:      the rows' pending tokens, concatenated; feed_lens [R] (1-16 each)
-// positions: [R] the position of each row's first pending token; block_tables [R, width];
-// steps:     [R] forwards per row (>= 1). Returns [R, max(steps)] int64: each step's token,
-//            -1 past a row's steps.
+// weights:     embed, cos, sin, final norm, the head (int8: packed, scales, sums; bf16: the
+//              packed layer), then per layer: input norm, post-attention norm, qkv, o,
+//              gate_up, down
+// dims:        layers, q heads, kv heads, head dim, hidden, intermediate, vocab, head kind
+//              (0 int8, 1 bf16)
+// caches:      per layer k, v [slots, kv heads, head dim]
+// feed:        the rows' pending tokens, concatenated; feed_lens [R] (1-16 each)
+// positions:   [R] the position of each row's first pending token; block_tables [R, width]
+// steps:       [R] forwards per row (>= 1)
+// temperature: [R] fp32, with seeds and offsets [R] int64 (the draw's key: seed, output
+//              tokens so far, first_step + step, stream); None: every row greedy
+// Returns (tokens [R, max(steps)] int64, -1 past a row's steps; q [R, max(steps), V] fp32
+// when sampling, else empty).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
@@ -66,6 +71,7 @@ using RopeF = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Ten
 using AttentionF = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                         const Tensor&, double, int64_t, Tensor&);
 using HeadF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
+using UniformF = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
 
 struct Ops {
   c10::TypedOperatorHandle<LinearF> linear = typed<LinearF>("linear_packed");
@@ -76,6 +82,7 @@ struct Ops {
   c10::TypedOperatorHandle<AttentionF> attention = typed<AttentionF>("paged_decode_attention");
   c10::TypedOperatorHandle<HeadF> head_int8 = typed<HeadF>("head_int8");
   c10::TypedOperatorHandle<UnaryF> argmax = typed<UnaryF>("argmax_rows");
+  c10::TypedOperatorHandle<UniformF> uniform = typed<UniformF>("uniform");
 };
 
 const Ops& ops() {
@@ -87,25 +94,27 @@ constexpr int64_t GLOBALS = 4;      // embed, cos, sin, final norm
 constexpr int64_t PER_LAYER = 6;    // in norm, post norm, qkv, o, gate_up, down
 constexpr int64_t MAX_FEED = 16;    // a short row (DECODE_MAX_Q of layers/attention.py)
 
-Tensor draft_greedy_steps(at::TensorList weights, at::IntArrayRef dims, double eps,
-                          double scale, int64_t block_size, at::TensorList caches,
-                          const Tensor& feed, const Tensor& feed_lens, const Tensor& positions,
-                          const Tensor& block_tables, const Tensor& steps) {
+std::tuple<Tensor, Tensor> draft_steps(
+    at::TensorList weights, at::IntArrayRef dims, double eps, double scale, int64_t block_size,
+    at::TensorList caches, const Tensor& feed, const Tensor& feed_lens, const Tensor& positions,
+    const Tensor& block_tables, const Tensor& steps, const std::optional<Tensor>& temperature,
+    const std::optional<Tensor>& seeds, const std::optional<Tensor>& offsets, int64_t stream,
+    int64_t first_step) {
   c10::InferenceMode guard;
-  TORCH_CHECK(dims.size() == 8, "draft_greedy_steps: 8 dims");
+  TORCH_CHECK(dims.size() == 8, "draft_steps: 8 dims");
   const int64_t L = dims[0], Hq = dims[1], Hkv = dims[2], D = dims[3], H = dims[4],
                 I = dims[5], V = dims[6], head_kind = dims[7];
   const int64_t head_n = head_kind == 0 ? 3 : 1;
   TORCH_CHECK(L > 0 && int64_t(weights.size()) == GLOBALS + head_n + PER_LAYER * L &&
                   int64_t(caches.size()) == 2 * L,
-              "draft_greedy_steps: weights or caches do not match the dims");
+              "draft_steps: weights or caches do not match the dims");
   const int64_t R = feed_lens.numel();
   for (const Tensor* t : {&feed, &feed_lens, &positions, &block_tables, &steps})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
-                "draft_greedy_steps: contiguous int64 feed, lengths, positions, tables, steps");
+                "draft_steps: contiguous int64 feed, lengths, positions, tables, steps");
   TORCH_CHECK(positions.numel() == R && steps.numel() == R && block_tables.dim() == 2 &&
                   block_tables.size(0) == R,
-              "draft_greedy_steps: feed_lens, positions, steps [R], block_tables [R, width]");
+              "draft_steps: feed_lens, positions, steps [R], block_tables [R, width]");
   const Ops& op = ops();
   const Tensor &embed = weights[0], &cos = weights[1], &sin = weights[2],
                &final_norm = weights[3];
@@ -119,15 +128,24 @@ Tensor draft_greedy_steps(at::TensorList weights, at::IntArrayRef dims, double e
   for (int64_t r = 0; r < R; ++r) {
     const int64_t n = feed_lens.data_ptr<int64_t>()[r];
     TORCH_CHECK(n >= 1 && n <= MAX_FEED && nsteps[r] >= 1,
-                "draft_greedy_steps: each row feeds 1-16 tokens and runs at least one step");
+                "draft_steps: each row feeds 1-16 tokens and runs at least one step");
     pending[r].assign(f, f + n);
     f += n;
   }
-  TORCH_CHECK(f == feed.data_ptr<int64_t>() + feed.numel(), "draft_greedy_steps: feed length");
+  TORCH_CHECK(f == feed.data_ptr<int64_t>() + feed.numel(), "draft_steps: feed length");
   const int64_t most = R ? *std::max_element(nsteps, nsteps + R) : 0;
   Tensor out = at::full({R, most}, -1, feed.options());
   int64_t* o = out.data_ptr<int64_t>();
   const auto i64 = feed.options();
+  const bool sampling = temperature.has_value();
+  TORCH_CHECK(!sampling || (seeds.has_value() && offsets.has_value() &&
+                            temperature->scalar_type() == at::kFloat &&
+                            temperature->numel() == R && seeds->numel() == R &&
+                            offsets->numel() == R),
+              "draft_steps: fp32 temperature with int64 seeds and offsets, one per row");
+  // q of every step of every row: the draft's distribution its tokens were drawn from
+  Tensor probs = sampling ? at::zeros({R, most, V}, feed.options().dtype(at::kFloat))
+                          : at::empty({0}, feed.options().dtype(at::kFloat));
   for (int64_t s = 0; s < most; ++s) {
     // the step's inputs, as the runner and build_metadata make them for short rows
     std::vector<int64_t> active, ids, pids, slots, rows, last;
@@ -136,7 +154,7 @@ Tensor draft_greedy_steps(at::TensorList weights, at::IntArrayRef dims, double e
       const int64_t first = ids.size(), q = pending[r].size();
       for (int64_t j = 0; j < q; ++j) {
         const int64_t p = pos[r] + j;
-        TORCH_CHECK(p / block_size < W, "draft_greedy_steps: a row's block table is too short");
+        TORCH_CHECK(p / block_size < W, "draft_steps: a row's block table is too short");
         ids.push_back(pending[r][j]);
         pids.push_back(p);
         slots.push_back(tab[r * W + p / block_size] * block_size + p % block_size);
@@ -179,7 +197,25 @@ Tensor draft_greedy_steps(at::TensorList weights, at::IntArrayRef dims, double e
     } else {
       logits = op.linear.call(x, weights[GLOBALS], H, V, std::nullopt, true);
     }
-    const Tensor next = op.argmax.call(logits);
+    Tensor next = op.argmax.call(logits);
+    if (sampling) {
+      // DraftModelProposer.propose's draw, op for op: q = draft_probs (target_probs without
+      // top-k/top-p), an inverse-CDF draw keyed like verification, argmax for T = 0 rows
+      const Tensor act = tensor(active), t = temperature->index_select(0, act);
+      const Tensor greedy = t.eq(0);
+      const Tensor inv = at::reciprocal(at::where(t.gt(0), t, 1.0)) * 1.0;
+      const Tensor z = logits * inv.unsqueeze(1);
+      const Tensor e = at::exp(z - z.amax({-1}, true));
+      const Tensor q = e / e.sum({-1}, true);
+      const Tensor u = op.uniform.call(seeds->index_select(0, act),
+                                       offsets->index_select(0, act),
+                                       at::full({M}, first_step + s, i64), stream, 0);
+      const Tensor cdf = at::cumsum(q, -1);
+      const Tensor drawn = at::searchsorted(cdf, (u * cdf.select(1, V - 1)).unsqueeze(-1))
+                               .squeeze(-1);
+      next = at::where(greedy, next, drawn.clamp_max(V - 1)).contiguous();
+      probs.select(1, s).index_copy_(0, act, q);
+    }
     const int64_t* nx = next.data_ptr<int64_t>();
     for (int64_t a = 0; a < M; ++a) {
       const int64_t r = active[a];
@@ -188,15 +224,17 @@ Tensor draft_greedy_steps(at::TensorList weights, at::IntArrayRef dims, double e
       pending[r].assign(1, nx[a]);
     }
   }
-  return out;
+  return {out, probs};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
-  m.def("draft_greedy_steps(Tensor[] weights, int[] dims, float eps, float scale, "
-        "int block_size, Tensor[] caches, Tensor feed, Tensor feed_lens, Tensor positions, "
-        "Tensor block_tables, Tensor steps) -> Tensor");
+  m.def("draft_steps(Tensor[] weights, int[] dims, float eps, float scale, int block_size, "
+        "Tensor[] caches, Tensor feed, Tensor feed_lens, Tensor positions, Tensor block_tables, "
+        "Tensor steps, Tensor? temperature, Tensor? seeds, Tensor? offsets, int stream, "
+        "int first_step) "
+        "-> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(BS_NS, CPU, m) { m.impl("draft_greedy_steps", &draft_greedy_steps); }
+TORCH_LIBRARY_IMPL(BS_NS, CPU, m) { m.impl("draft_steps", &draft_steps); }

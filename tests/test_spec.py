@@ -55,71 +55,74 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
 
 
 @pytest.mark.parametrize("head", ["int8", "bf16"])
-def test_greedy_draft_steps_in_cpp_are_the_forwards(model_factory, head, monkeypatch):
-    """Greedy draft steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with
-    AMX weights: every step's token and the keys and values it writes are the runner's
-    forward's, bit for bit, for rows of ragged pending feeds and step counts that cross block
-    boundaries, with either output layer; in a job, the drafts (so the acceptance counts) are
-    those of the step-by-step loop; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off."""
+def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch):
+    """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with AMX
+    weights: the tokens, q and the keys and values written are the step-by-step loop's,
+    bit for bit, for greedy and sampled rows side by side, ragged pending feeds (one longer
+    than a short row: its first step takes the forward, the rest the call) and ragged draft
+    counts, with either output layer; in a job, greedy and sampled, the outputs and
+    acceptance counts are the loop's; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off."""
     from batchspec.engine.runner import ModelRunner
+    from batchspec.engine.sequence import Sequence
     from batchspec.spec._build import load
-    from batchspec.spec.verify import greedy_tokens
+    from batchspec.spec.proposer import DraftModelProposer
     if head == "bf16":
         monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_HEAD", "bf16")
     draft = model_factory("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
                           num_kv_heads=1, tie_word_embeddings=head == "int8")
-    runner = ModelRunner(draft, "cpu", "bfloat16")
-    if runner.model.weight_layout != "amx":
-        pytest.skip("the C++ draft steps run the AMX linear op")
-    if head == "int8" and not (load(False).head_int8_fast() and runner.use_int8_head()):
-        pytest.skip("no AVX512-VNNI: no int8 output layer")
-    runner.allocate_kv_cache(64, 16)
     g = torch.Generator().manual_seed(0)
-    ctx = [30, 15, 47, 9]          # the steps cross blocks 1-2, 0-1, 2-3 (block size 16)
-    tables = [[7, 3, 12, 0], [5, 9], [1, 2, 4, 6], [8, 10]]
-    for n, t in zip(ctx, tables):
-        runner.forward([torch.randint(1, 500, (n,), generator=g).tolist()], [0], [t], [1])
-    # pending tokens: a round's accepted tokens and bonus, or one token
-    feeds = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (1, 3, 5, 1)]
-    steps = [5, 4, 1, 6]
-    caches = [c for pair in runner.kv_caches for c in pair]
-    before = [c.clone() for c in caches]
+    ctx = [30, 15, 47, 9, 12]   # steps cross blocks (block size 16)
+    tables = [[7, 3, 12, 0], [5, 9], [1, 2, 4, 6], [8, 10], [11, 13, 14]]
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in ctx]
+    pending = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (1, 3, 5, 1, 20)]
+    temps, drafts = [0.8, 0.0, 1.0, 0.5, 0.7], [5, 4, 1, 6, 3]
 
-    def python_steps():
-        drafted, pos, cur = [[] for _ in steps], list(ctx), [list(f) for f in feeds]
-        active = list(range(len(steps)))
-        while active:
-            logits = runner.forward([cur[a] for a in active], [pos[a] for a in active],
-                                    [tables[a] for a in active], [1] * len(active))
-            for a, t in zip(active, greedy_tokens(logits).tolist()):
-                drafted[a].append(t)
-                pos[a] += len(cur[a])
-                cur[a] = [t]
-            active = [a for a in active if len(drafted[a]) < steps[a]]
-        return drafted
+    def propose(cpp: bool):
+        runner = ModelRunner(draft, "cpu", "bfloat16")
+        if runner.model.weight_layout != "amx":
+            pytest.skip("the C++ draft steps run the AMX linear op")
+        if head == "int8" and not (load(False).head_int8_fast() and runner.use_int8_head()):
+            pytest.skip("no AVX512-VNNI: no int8 output layer")
+        runner.allocate_kv_cache(64, 16)
+        if not cpp:
+            runner._steps = False            # as where the op is not available
+        seqs = []
+        for i, (p, t) in enumerate(zip(prompts, temps)):
+            runner.forward([p], [0], [tables[i]], [1])
+            s = Sequence(i, str(i), p, SamplingParams(temperature=t, max_tokens=64), seed=i)
+            s.token_ids += pending[i]
+            s.block_table, s.spec.num_draft_computed = tables[i], len(p)
+            seqs.append(s)
+        proposer = DraftModelProposer(runner, 0.0)   # rows 0-3 all in the call; row 4 after
+        out = proposer.propose(list(zip(seqs[:4], drafts))) + \
+            proposer.propose([(seqs[4], drafts[4])])     # a first step by the forward
+        assert runner.steps_in_one_call == cpp
+        return out, [s.spec.num_draft_computed for s in seqs], \
+            [c.clone() for pair in runner.kv_caches for c in pair]
 
-    want = python_steps()
-    want_kv = [c.clone() for c in caches]
-    for c, b in zip(caches, before):
-        c.copy_(b)
-    got = runner.greedy_steps(feeds, ctx, tables, steps)
-    assert got == want and [len(t) for t in got] == steps
-    for c, w, b in zip(caches, want_kv, before):
-        assert torch.equal(c, w) and not torch.equal(c, b)
+    (want, want_n, want_kv), (got, got_n, got_kv) = propose(False), propose(True)
+    assert got_n == want_n
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+    for w, o, t, n in zip(want, got, temps, drafts):
+        assert o.token_ids == w.token_ids and len(o.token_ids) == n
+        if t > 0:
+            assert o.probs is not None and torch.equal(o.probs, w.probs)
 
     target = model_factory("llama", seed=2, hidden_size=128, num_heads=2, num_kv_heads=1)
     kw = dict(drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
               dtype="bfloat16", min_acceptance=0.0)
+    sampled = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=5)
     llm = LLM(target, **kw)
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert llm.engine.proposers["default"].runner._steps    # the C++ steps ran
+    outs = [llm.generate(PROMPTS, p, use_tqdm=False) for p in (GREEDY, sampled)]
+    assert llm.engine.proposers["default"].runner.steps_in_one_call    # the C++ steps ran
     monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_STEPS", "python")
     stepwise = LLM(target, **kw)
-    assert stepwise.engine.proposers["default"].runner.model.greedy_steps_weights() is None
-    for a, b in zip(outs, stepwise.generate(PROMPTS, GREEDY, use_tqdm=False)):
-        assert a.token_ids == b.token_ids
-        assert (a.stats["total_drafted"], a.stats["total_accepted"]) == \
-            (b.stats["total_drafted"], b.stats["total_accepted"])
+    assert stepwise.engine.proposers["default"].runner.model.draft_steps_weights() is None
+    for params, got_outs in zip((GREEDY, sampled), outs):
+        for a, b in zip(got_outs, stepwise.generate(PROMPTS, params, use_tqdm=False)):
+            assert a.token_ids == b.token_ids
+            assert (a.stats["total_drafted"], a.stats["total_accepted"]) == \
+                (b.stats["total_drafted"], b.stats["total_accepted"])
 
 
 def test_perfect_draft_accepts_everything(tiny_llama, monkeypatch):

@@ -89,7 +89,8 @@ class Engine:
     def measure_step_costs(self, ctx_len: int = 128, repeats: int = 3,
                            max_batch: int = 64) -> StepCosts:
         """Time the target over B rows of q = 1..k+1 tokens and each draft over B rows of one
-        token, B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
+        token (a k-th of k steps where they run in one call, ModelRunner.draft_steps),
+        B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
         batches are extrapolated, and the online correction absorbs the error), at a context
         of ctx_len tokens (fastest of `repeats`; then smoothed, StepCosts.smooth). The KV
         written lands in free blocks and is never read."""
@@ -104,18 +105,22 @@ class Engine:
         runners = {name: p.runner for name, p in self.proposers.items()
                    if isinstance(p, DraftModelProposer)}
 
-        def seconds(runner, b, q):
+        def seconds(runner, b, q, draft=False):
             tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
             args = ([[0] * q] * b, [ctx] * b, tables, [q] * b)
-            runner.forward(*args)  # warm-up
+            run, steps = (lambda: runner.forward(*args).sum().item()), 1
+            # a draft whose steps run in one C++ call: a step is a k-th of k steps' call
+            if draft and runner.draft_steps(*args[:3], [k] * b) is not None:
+                run, steps = (lambda: runner.draft_steps(*args[:3], [k] * b)), k
+            run()  # warm-up
             best = float("inf")
             for _ in range(repeats):
                 if runner.device.type == "cuda":
                     torch.cuda.synchronize(runner.device)
                 t0 = time.perf_counter()
-                runner.forward(*args).sum().item()
+                run()
                 best = min(best, time.perf_counter() - t0)
-            return best
+            return best / steps
 
         self._warm_verification()
         for q in range(1, k + 2):
@@ -123,7 +128,7 @@ class Engine:
         measured: dict[str, list[float]] = {}
         for name, runner in runners.items():
             if runner.path not in measured:
-                measured[runner.path] = [seconds(runner, b, 1) for b in grid]
+                measured[runner.path] = [seconds(runner, b, 1, draft=True) for b in grid]
             costs.draft[name] = list(measured[runner.path])
         costs.smooth()
         log.info("step costs (ms) at B=%s: target %s; drafts %s", grid,

@@ -16,6 +16,7 @@ from batchspec.layers.attention import (
 from batchspec.layers.parallel import SINGLE, TensorParallel
 from batchspec.models.llama import LlamaForCausalLM
 from batchspec.models.loader import Checkpoint, read_config
+from batchspec.spec.rng import STREAM_DRAFT
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,31 +47,30 @@ class ModelRunner:
             w = self.model.embed if weights is None or "lm_head.weight" not in weights else \
                 weights.get("lm_head.weight")
             return w[:self.cfg.vocab_size]
-        self._steps = None
-        return self.model.use_int8_head(head)
+        took = self.model.use_int8_head(head)
+        if self.kv_caches is not None:
+            self._find_draft_steps()
+        return took
 
-    _steps = None   # (op, weights, dims, caches) of greedy_steps, or False: not here
+    _steps = False  # (op, weights, dims, caches) of draft_steps, or False: not here
 
-    def greedy_steps(self, feeds: list[list[int]], positions: list[int],
-                     block_tables: list[list[int]], steps: list[int]) -> list[list[int]] | None:
-        """Greedy draft steps in one C++ call (kernels/draft_steps_cpu.cpp): row i feeds
-        feeds[i] (1 to DECODE_MAX_Q tokens) from positions[i], then the argmax of its last
-        logits, for steps[i] >= 1 forwards; returns each row's steps[i] tokens. The same
-        logits as `forward`'s, bit for bit. None where the op does not cover this model
-        (LlamaForCausalLM.greedy_steps_weights), device or rows: the caller then steps with
-        `forward`."""
-        if self._steps is None:
-            self._steps = False
-            weights = self.model.greedy_steps_weights()
-            if weights is not None and self.attention_backend == "torch" and \
-                    cpu_attention_kernel() is not None:
-                try:
-                    from batchspec.spec._build import load
-                    op = load(False).draft_greedy_steps
-                    caches = [t for pair in self.kv_caches for t in pair]
-                    self._steps = (op, weights, self.model.greedy_step_dims(), caches)
-                except Exception as e:  # noqa: BLE001 - no compiler: forward
-                    log.warning("C++ draft steps unavailable (%s); using the forward", e)
+    @property
+    def steps_in_one_call(self) -> bool:
+        """Whether draft_steps runs for this model here."""
+        return bool(self._steps)
+
+    def draft_steps(self, feeds: list[list[int]], positions: list[int],
+                    block_tables: list[list[int]], steps: list[int], first_step: int = 0,
+                    sampling: tuple[list[float], list[int], list[int]] | None = None
+                    ) -> tuple[list[list[int]], torch.Tensor | None] | None:
+        """A draft's steps in one C++ call (kernels/draft_steps_cpu.cpp): row i feeds
+        feeds[i] (1 to DECODE_MAX_Q tokens) from positions[i], then the token drawn from its
+        last logits, for steps[i] >= 1 forwards. sampling: each row's (temperature, seed,
+        output tokens so far), the draw's key with first_step + step (greedy rows take the
+        argmax; None: all greedy). Returns each row's steps[i] tokens and, when sampling, q
+        [rows, max(steps), V]: DraftModelProposer.propose's tokens and q, bit for bit. None
+        where the op does not cover this model (LlamaForCausalLM.draft_steps_weights),
+        device or rows: the caller then steps with `forward`."""
         if not self._steps or any(len(f) > DECODE_MAX_Q for f in feeds):
             return None
         op, weights, dims, caches = self._steps
@@ -80,15 +80,38 @@ class ModelRunner:
         longs = torch.tensor([t for f in feeds for t in f] + [len(f) for f in feeds] +
                              positions + steps, dtype=torch.long)
         T, R = longs.shape[0] - 3 * len(feeds), len(feeds)
-        out = op(weights, dims, self.model.cfg.rms_norm_eps, self.model.scale,
-                 self.block_size, caches, longs[:T], longs[T:T + R], longs[T + R:T + 2 * R],
-                 tables, longs[T + 2 * R:]).tolist()
-        return [row[:n] for row, n in zip(out, steps)]
+        temps = seeds = offsets = None
+        if sampling is not None:   # as the step-by-step loop makes them (fp32 temperatures)
+            temps = torch.tensor(sampling[0])
+            seeds, offsets = (torch.tensor(v, dtype=torch.long) for v in sampling[1:])
+        tokens, q = op(weights, dims, self.model.cfg.rms_norm_eps, self.model.scale,
+                       self.block_size, caches, longs[:T], longs[T:T + R],
+                       longs[T + R:T + 2 * R], tables, longs[T + 2 * R:], temps, seeds,
+                       offsets, STREAM_DRAFT, first_step)
+        return ([row[:n] for row, n in zip(tokens.tolist(), steps)],
+                q if sampling is not None else None)
+
+    def _find_draft_steps(self) -> None:
+        """Whether draft_steps runs here (read once the KV cache exists, environment
+        included)."""
+        self._steps = False
+        weights = self.model.draft_steps_weights()
+        if weights is None or self.attention_backend != "torch" or \
+                cpu_attention_kernel() is None:
+            return
+        try:
+            from batchspec.spec._build import load
+            op = load(False).draft_steps
+        except Exception as e:  # noqa: BLE001 - no compiler: forward
+            log.warning("C++ draft steps unavailable (%s); using the forward", e)
+            return
+        caches = [t for pair in self.kv_caches for t in pair]
+        self._steps = (op, weights, self.model.draft_step_dims(), caches)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.kv_caches = self.model.allocate_kv_cache(num_blocks, block_size, self.device)
-        self._steps = None
+        self._find_draft_steps()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_bytes_per_block(block_size)

@@ -243,8 +243,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None   # every forward takes the int8 copy
         return True
 
-    def greedy_steps_weights(self) -> list[torch.Tensor] | None:
-        """The weights of kernels/draft_steps_cpu.cpp's draft_greedy_steps, in its order, or
+    def draft_steps_weights(self) -> list[torch.Tensor] | None:
+        """The weights of kernels/draft_steps_cpu.cpp's draft_steps, in its order, or
         None where that op does not compute this forward: it covers a model on CPU with AMX
         packed linear weights, the fused C++ layer ops, no q/k norm, no bias, no sliding
         window and one rank (BATCHSPEC_CPU_DRAFT_STEPS=python turns it off)."""
@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
                         layer["o"].packed, layer["gate_up"].packed, layer["down"].packed]
         return weights
 
-    def greedy_step_dims(self) -> list[int]:
+    def draft_step_dims(self) -> list[int]:
         cfg = self.cfg
         return [cfg.num_layers, self.num_heads, self.num_kv_heads, cfg.head_dim,
                 cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,

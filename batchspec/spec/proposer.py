@@ -20,6 +20,7 @@ import torch
 
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sequence import Sequence
+from batchspec.layers.attention import DECODE_MAX_Q
 from batchspec.spec.rng import STREAM_DRAFT, uniform_compiled
 from batchspec.spec.verify import greedy_tokens
 from batchspec.spec.verify_torch import target_probs
@@ -70,13 +71,12 @@ class DraftModelProposer:
         up to max_drafts tokens per row, all rows in one forward per draft step."""
         out = [Proposal([], None) for _ in rows]
         feed = [seq.token_ids[seq.spec.num_draft_computed:] for seq, _ in rows]
-        if self.threshold == 0 and all(seq.params.temperature == 0 for seq, _ in rows) and \
-                self._greedy(rows, list(range(len(rows))), feed, out):
-            return out
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
         step = 0
         while active:
+            if self._in_one_call(rows, active, feed, out, probs, step):
+                break
             seqs = [rows[i][0] for i in active]
             logits = self.runner.forward(
                 [feed[i] for i in active], [s.spec.num_draft_computed for s in seqs],
@@ -115,33 +115,40 @@ class DraftModelProposer:
                     still.append(i)
             active = still
             step += 1
-            if active and all_greedy and self.threshold == 0 and \
-                    self._greedy(rows, active, feed, out):
-                break
         for i, p in enumerate(probs):
             if p and len(p) == len(out[i].token_ids):
                 out[i].probs = torch.stack(p)
         return out
 
-    def _greedy(self, rows, active: list[int], feed: list[list[int]],
-                out: list[Proposal]) -> bool:
-        """The active rows' remaining drafts, where all are greedy and no confidence rule
-        applies: each step feeds the row's pending tokens and takes the argmax, so the whole
-        loop runs in one C++ call where the draft's model has one (ModelRunner.greedy_steps,
-        which needs short pending feeds: after a row's first round, its last accepted tokens).
-        False where it does not (the caller steps with the forward)."""
+    def _in_one_call(self, rows, active: list[int], feed: list[list[int]],
+                     out: list[Proposal], probs: list[list[torch.Tensor]], step: int) -> bool:
+        """The active rows' remaining drafts from `step` on in one C++ call, where the
+        draft's model has one (ModelRunner.draft_steps: the same tokens and q as the loop
+        below); not for rows under a confidence rule or with top-k or top-p, nor while a
+        row's pending feed is long (a draft's first catch-up of a prompt: that step takes
+        the forward, the rest the call). False where it does not run."""
+        if self.threshold > 0 or not self.runner.steps_in_one_call:
+            return False
         seqs = [rows[i][0] for i in active]
+        if any(not feed[i] or len(feed[i]) > DECODE_MAX_Q for i in active) or \
+                any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
+            return False
         more = [rows[i][1] - len(out[i].token_ids) for i in active]
-        if not all(feed[i] for i in active):
-            return False
-        drafted = self.runner.greedy_steps(
+        sampling = None
+        if any(s.params.temperature > 0 for s in seqs):
+            sampling = ([s.params.temperature for s in seqs], [s.seed for s in seqs],
+                        [s.num_output_tokens for s in seqs])
+        got = self.runner.draft_steps(
             [feed[i] for i in active], [s.spec.num_draft_computed for s in seqs],
-            [s.block_table for s in seqs], more)
-        if drafted is None:
+            [s.block_table for s in seqs], more, step, sampling)
+        if got is None:
             return False
-        for i, s, n, toks in zip(active, seqs, more, drafted):
-            out[i].token_ids.extend(toks)
+        tokens, q = got
+        for a, (i, s, n) in enumerate(zip(active, seqs, more)):
+            out[i].token_ids.extend(tokens[a])
             s.spec.num_draft_computed += len(feed[i]) + n - 1
+            if q is not None and s.params.temperature > 0:   # greedy rows need no q
+                probs[i].extend(q[a, :n].unbind(0))
         return True
 
 
