@@ -11,7 +11,9 @@
    verification windows of 5 tokens);
 4. a draft's output layer (the demo drafts' 4,096 x 192) in bf16 on AMX tiles vs its int8
    copy (kernels/head_int8_cpu.cpp: AVX512-VNNI up to 7 rows, AMX-INT8 tiles from 8), at
-   1-64 rows, the weight read warm as in a round's draft steps.
+   1-64 rows, the weight read warm as in a round's draft steps;
+5. a round of a demo draft's k = 4 greedy steps at 1-32 rows (contexts of 120 tokens): one
+   C++ call (kernels/draft_steps_cpu.cpp) vs the runner's forward and the argmax per step.
 
     python benchmarks/bench_cpu_ops.py
 """
@@ -90,6 +92,36 @@ def main():
         int8 = per_call_us(lambda a: ops.head_int8(a, packed, scales, sums, 4096), [(x,)] * 300)
         tiles = per_call_us(lambda a: linear(a, bf16, float_out=True), [(x,)] * 300)
         print(f"{rows:>4} rows: {int8:6.1f} / {tiles:6.1f}")
+    draft_steps()
+
+
+def draft_steps(k: int = 4, ctx: int = 120):
+    from batchspec.demo import demo_models
+    from batchspec.engine.runner import ModelRunner
+    from batchspec.spec.verify import greedy_tokens
+    runner = ModelRunner(demo_models()["draft-code"], "cpu", "bfloat16")
+    runner.use_int8_head()
+    per_row = -(-(ctx + k + 1) // 16)
+    runner.allocate_kv_cache(32 * per_row, 16)
+    if not runner.steps_in_one_call:
+        return
+    print(f"\na round of the demo code draft's {k} greedy steps, us per round: one C++ call / "
+          f"forward and argmax per step")
+    for rows in (1, 8, 32):
+        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
+        runner.forward([list(range(1, ctx + 1))] * rows, [0] * rows, tables, [1] * rows)
+
+        def loop(rows, tables):
+            cur = [[7]] * rows
+            for step in range(k):
+                logits = runner.forward(cur, [ctx + step] * rows, tables, [1] * rows)
+                cur = [[t] for t in greedy_tokens(logits).tolist()]
+
+        def call(rows, tables):
+            runner.draft_steps([[7]] * rows, [ctx] * rows, tables, [k] * rows)
+
+        one, step_by_step = (per_call_us(f, [(rows, tables)] * 100) for f in (call, loop))
+        print(f"{rows:>4} rows: {one:8.1f} / {step_by_step:8.1f}")
 
 
 if __name__ == "__main__":
