@@ -144,8 +144,9 @@ std::tuple<Tensor, Tensor> draft_steps(
                             temperature->numel() == R && seeds->numel() == R &&
                             offsets->numel() == R),
               "draft_steps: fp32 temperature with int64 seeds and offsets, one per row");
-  // q of every step of every row: the draft's distribution its tokens were drawn from
-  Tensor probs = sampling ? at::zeros({R, most, V}, feed.options().dtype(at::kFloat))
+  // q of every step of every row: the draft's distribution its tokens were drawn from (past
+  // a row's steps: unset, and never read)
+  Tensor probs = sampling ? at::empty({R, most, V}, feed.options().dtype(at::kFloat))
                           : at::empty({0}, feed.options().dtype(at::kFloat));
   for (int64_t s = 0; s < most; ++s) {
     // the step's inputs, as the runner and build_metadata make them for short rows
