@@ -13,8 +13,8 @@
 //
 // The forward is LlamaForCausalLM.forward's (batchspec/models/llama.py) for a model with AMX
 // packed linear weights, the fused C++ layer ops, the C++ paged attention, no q/k norm, no
-// bias, no sliding window and one rank; the draw is DraftModelProposer.propose's without
-// top-k or top-p. The same ops in the same order on the same inputs, so the logits, q and
+// bias, no sliding window and one rank; the draw is DraftModelProposer.propose's, top-k and
+// top-p included. The same ops in the same order on the same inputs, so the logits, q and
 // the tokens are the Python loop's bit for bit (tested). The Python side decides when it
 // applies (ModelRunner.draft_steps).
 //
@@ -29,6 +29,7 @@
 // steps:       [R] forwards per row (>= 1)
 // temperature: [R] fp32, with seeds and offsets [R] int64 (the draw's key: seed, output
 //              tokens so far, first_step + step, stream); None: every row greedy
+// top_k, top_p: [R] int64 (0: off) and fp32 (1: off), or None where no row filters
 // Returns (tokens [R, max(steps)] int64, -1 past a row's steps; q [R, max(steps), V] fp32
 // when sampling, else empty).
 #include <ATen/ATen.h>
@@ -37,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -91,6 +93,37 @@ const Ops& ops() {
   return o;
 }
 
+// verify_torch.filter_logits, op for op, over the active rows `act` (top-k, then top-p;
+// each applied where one of these rows asks for it, as draft_probs passes them)
+Tensor filter(Tensor z, const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
+              const Tensor& act, int64_t V) {
+  const double inf = std::numeric_limits<double>::infinity();
+  if (top_k.has_value()) {
+    Tensor k = top_k->index_select(0, act);
+    if (k.ne(0).any().item<bool>()) {
+      k = k.clamp(0, V);
+      k = at::where(k.eq(0), c10::Scalar(V), k);
+      const Tensor kth = std::get<0>(z.sort(-1, true)).gather(1, (k - 1).unsqueeze(1));
+      z = z.masked_fill(z < kth, -inf);
+    }
+  }
+  if (top_p.has_value()) {
+    const Tensor p = top_p->index_select(0, act);
+    if (p.lt(1.0).any().item<bool>()) {
+      const Tensor tp = p.unsqueeze(1);
+      const Tensor zs = std::get<0>(z.sort(-1, true));
+      const Tensor e = at::exp(zs - zs.slice(1, 0, 1));
+      const Tensor ps = e / e.sum({-1}, true);
+      const Tensor before = at::pad(ps.cumsum(-1).slice(1, 0, V - 1), {1, 0});
+      const Tensor first_tie = at::searchsorted(-zs, -zs);
+      const Tensor keep = before.gather(1, first_tie).lt(tp) | tp.ge(1.0);
+      const Tensor thresh = zs.masked_fill(~keep, inf).amin({-1}, true);
+      z = z.masked_fill(z < thresh, -inf);
+    }
+  }
+  return z;
+}
+
 constexpr int64_t GLOBALS = 4;      // embed, cos, sin, final norm
 constexpr int64_t PER_LAYER = 6;    // in norm, post norm, qkv, o, gate_up, down
 constexpr int64_t MAX_FEED = 16;    // a short row (DECODE_MAX_Q of layers/attention.py)
@@ -99,7 +132,8 @@ std::tuple<Tensor, Tensor> draft_steps(
     at::TensorList weights, at::IntArrayRef dims, double eps, double scale, int64_t block_size,
     at::TensorList caches, const Tensor& feed, const Tensor& feed_lens, const Tensor& positions,
     const Tensor& block_tables, const Tensor& steps, const std::optional<Tensor>& temperature,
-    const std::optional<Tensor>& seeds, const std::optional<Tensor>& offsets, int64_t stream,
+    const std::optional<Tensor>& seeds, const std::optional<Tensor>& offsets,
+    const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p, int64_t stream,
     int64_t first_step) {
   c10::InferenceMode guard;
   TORCH_CHECK(dims.size() == 8, "draft_steps: 8 dims");
@@ -201,12 +235,12 @@ std::tuple<Tensor, Tensor> draft_steps(
     }
     Tensor next = op.argmax.call(logits);
     if (sampling) {
-      // DraftModelProposer.propose's draw, op for op: q = draft_probs (target_probs without
-      // top-k/top-p), an inverse-CDF draw keyed like verification, argmax for T = 0 rows
+      // DraftModelProposer.propose's draw, op for op: q = draft_probs (target_probs), an
+      // inverse-CDF draw keyed like verification, argmax for T = 0 rows
       const Tensor act = tensor(active), t = temperature->index_select(0, act);
       const Tensor greedy = t.eq(0);
       const Tensor inv = at::reciprocal(at::where(t.gt(0), t, 1.0)) * 1.0;
-      const Tensor z = logits * inv.unsqueeze(1);
+      const Tensor z = filter(logits * inv.unsqueeze(1), top_k, top_p, act, V);
       const Tensor e = at::exp(z - z.amax({-1}, true));
       const Tensor q = e / e.sum({-1}, true);
       const Tensor u = op.uniform.call(seeds->index_select(0, act),
@@ -234,8 +268,8 @@ std::tuple<Tensor, Tensor> draft_steps(
 TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
   m.def("draft_steps(Tensor[] weights, int[] dims, float eps, float scale, int block_size, "
         "Tensor[] caches, Tensor feed, Tensor feed_lens, Tensor positions, Tensor block_tables, "
-        "Tensor steps, Tensor? temperature, Tensor? seeds, Tensor? offsets, int stream, "
-        "int first_step) "
+        "Tensor steps, Tensor? temperature, Tensor? seeds, Tensor? offsets, Tensor? top_k, "
+        "Tensor? top_p, int stream, int first_step) "
         "-> (Tensor, Tensor)");
 }
 

@@ -58,7 +58,8 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
 def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch):
     """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with AMX
     weights: the tokens, q and the keys and values written are the step-by-step loop's,
-    bit for bit, for greedy and sampled rows side by side, ragged pending feeds (one longer
+    bit for bit, for greedy and sampled rows side by side (with and without top-k and
+    top-p), ragged pending feeds (one longer
     than a short row: its first step takes the forward, the rest the call) and ragged draft
     counts, with either output layer; in a job, greedy and sampled, the outputs and
     acceptance counts are the loop's; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off."""
@@ -76,6 +77,7 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in ctx]
     pending = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (1, 3, 5, 1, 20)]
     temps, drafts = [0.8, 0.0, 1.0, 0.5, 0.7], [5, 4, 1, 6, 3]
+    top_k, top_p = [0, 0, 20, 0, 0], [1.0, 0.9, 1.0, 0.8, 1.0]    # filters, on rows 2 and 3
 
     def propose(cpp: bool):
         runner = ModelRunner(draft, "cpu", "bfloat16")
@@ -89,7 +91,9 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
         seqs = []
         for i, (p, t) in enumerate(zip(prompts, temps)):
             runner.forward([p], [0], [tables[i]], [1])
-            s = Sequence(i, str(i), p, SamplingParams(temperature=t, max_tokens=64), seed=i)
+            params = SamplingParams(temperature=t, top_k=top_k[i], top_p=top_p[i],
+                                    max_tokens=64)
+            s = Sequence(i, str(i), p, params, seed=i)
             s.token_ids += pending[i]
             s.block_table, s.spec.num_draft_computed = tables[i], len(p)
             seqs.append(s)
@@ -111,7 +115,8 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     target = model_factory("llama", seed=2, hidden_size=128, num_heads=2, num_kv_heads=1)
     kw = dict(drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
               dtype="bfloat16", min_acceptance=0.0)
-    sampled = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=5)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True,
+                             seed=5)
     llm = LLM(target, **kw)
     outs = [llm.generate(PROMPTS, p, use_tqdm=False) for p in (GREEDY, sampled)]
     assert llm.engine.proposers["default"].runner.steps_in_one_call    # the C++ steps ran

@@ -61,13 +61,14 @@ class ModelRunner:
 
     def draft_steps(self, feeds: list[list[int]], positions: list[int],
                     block_tables: list[list[int]], steps: list[int], first_step: int = 0,
-                    sampling: tuple[list[float], list[int], list[int]] | None = None
+                    sampling: tuple[list[float], list[int], list[int], list[int],
+                                    list[float]] | None = None
                     ) -> tuple[list[list[int]], torch.Tensor | None] | None:
         """A draft's steps in one C++ call (kernels/draft_steps_cpu.cpp): row i feeds
         feeds[i] (1 to DECODE_MAX_Q tokens) from positions[i], then the token drawn from its
-        last logits, for steps[i] >= 1 forwards. sampling: each row's (temperature, seed,
-        output tokens so far), the draw's key with first_step + step (greedy rows take the
-        argmax; None: all greedy). Returns each row's steps[i] tokens and, when sampling, q
+        last logits, for steps[i] >= 1 forwards. sampling: each row's temperature, seed and
+        output tokens so far (the draw's key, with first_step + step), top-k (at most V; 0:
+        off) and top-p (greedy rows take the argmax; None: all greedy). Returns each row's steps[i] tokens and, when sampling, q
         [rows, max(steps), V]: DraftModelProposer.propose's tokens and q, bit for bit. None
         where the op does not cover this model (LlamaForCausalLM.draft_steps_weights),
         device or rows: the caller then steps with `forward`."""
@@ -80,14 +81,16 @@ class ModelRunner:
         longs = torch.tensor([t for f in feeds for t in f] + [len(f) for f in feeds] +
                              positions + steps, dtype=torch.long)
         T, R = longs.shape[0] - 3 * len(feeds), len(feeds)
-        temps = seeds = offsets = None
+        temps = seeds = offsets = top_k = top_p = None
         if sampling is not None:   # as the step-by-step loop makes them (fp32 temperatures)
             temps = torch.tensor(sampling[0])
-            seeds, offsets = (torch.tensor(v, dtype=torch.long) for v in sampling[1:])
+            seeds, offsets = (torch.tensor(v, dtype=torch.long) for v in sampling[1:3])
+            top_k = torch.tensor(sampling[3]) if any(sampling[3]) else None
+            top_p = torch.tensor(sampling[4]) if any(p < 1.0 for p in sampling[4]) else None
         tokens, q = op(weights, dims, self.model.cfg.rms_norm_eps, self.model.scale,
                        self.block_size, caches, longs[:T], longs[T:T + R],
                        longs[T + R:T + 2 * R], tables, longs[T + 2 * R:], temps, seeds,
-                       offsets, STREAM_DRAFT, first_step)
+                       offsets, top_k, top_p, STREAM_DRAFT, first_step)
         return ([row[:n] for row, n in zip(tokens.tolist(), steps)],
                 q if sampling is not None else None)
 

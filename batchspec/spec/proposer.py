@@ -124,20 +124,21 @@ class DraftModelProposer:
                      out: list[Proposal], probs: list[list[torch.Tensor]], step: int) -> bool:
         """The active rows' remaining drafts from `step` on in one C++ call, where the
         draft's model has one (ModelRunner.draft_steps: the same tokens and q as the loop
-        below); not for rows under a confidence rule or with top-k or top-p, nor while a
-        row's pending feed is long (a draft's first catch-up of a prompt: that step takes
-        the forward, the rest the call). False where it does not run."""
+        below); not for rows under a confidence rule, nor while a row's pending feed is long
+        (a draft's first catch-up of a prompt: that step takes the forward, the rest the
+        call). False where it does not run."""
         if self.threshold > 0 or not self.runner.steps_in_one_call:
             return False
         seqs = [rows[i][0] for i in active]
-        if any(not feed[i] or len(feed[i]) > DECODE_MAX_Q for i in active) or \
-                any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
+        if any(not feed[i] or len(feed[i]) > DECODE_MAX_Q for i in active):
             return False
         more = [rows[i][1] - len(out[i].token_ids) for i in active]
         sampling = None
         if any(s.params.temperature > 0 for s in seqs):
+            V = self.runner.cfg.vocab_size
             sampling = ([s.params.temperature for s in seqs], [s.seed for s in seqs],
-                        [s.num_output_tokens for s in seqs])
+                        [s.num_output_tokens for s in seqs],
+                        [min(s.params.top_k, V) for s in seqs], [s.params.top_p for s in seqs])
         got = self.runner.draft_steps(
             [feed[i] for i in active], [s.spec.num_draft_computed for s in seqs],
             [s.block_table for s in seqs], more, step, sampling)
