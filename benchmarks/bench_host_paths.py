@@ -34,6 +34,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--method", default="spec-domain",
                     choices=[m for m in METHODS if m not in ("hf", "hf-assisted", "plain")])
     ap.add_argument("--num-prompts", type=int, default=128)
@@ -66,7 +67,8 @@ def main():
     def run(name, prompt_ids):
         os.environ[env] = variants[name][1]
         r = run_engine(llms[name], prompt_ids, domains=domains,
-                       temperature=args.temperature, max_tokens=args.max_tokens)
+                       temperature=args.temperature, max_tokens=args.max_tokens,
+                       top_p=args.top_p)
         return r["tokens"] / r["wall_s"]
 
     for name in variants:                       # warm-up: one batch each
@@ -76,7 +78,8 @@ def main():
         for name in variants:
             tok_s[name].append(run(name, ids))
     os.environ.pop(env)
-    print(f"B={args.batch_size} T={args.temperature} {args.num_prompts} prompts "
+    print(f"B={args.batch_size} T={args.temperature} top-p {args.top_p} "
+          f"{args.num_prompts} prompts "
           f"({args.domain or 'code and docs'}), "
           f"{args.repeats} rounds, one thread")
     for name, runs in tok_s.items():

@@ -38,7 +38,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <limits>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -75,6 +74,7 @@ using AttentionF = void(const Tensor&, const Tensor&, const Tensor&, const Tenso
                         const Tensor&, double, int64_t, Tensor&);
 using HeadF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
 using UniformF = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+using RowProbsF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 
 struct Ops {
   c10::TypedOperatorHandle<LinearF> linear = typed<LinearF>("linear_packed");
@@ -86,42 +86,12 @@ struct Ops {
   c10::TypedOperatorHandle<HeadF> head_int8 = typed<HeadF>("head_int8");
   c10::TypedOperatorHandle<UnaryF> argmax = typed<UnaryF>("argmax_rows");
   c10::TypedOperatorHandle<UniformF> uniform = typed<UniformF>("uniform");
+  c10::TypedOperatorHandle<RowProbsF> row_probs = typed<RowProbsF>("row_probs");
 };
 
 const Ops& ops() {
   static const Ops o;
   return o;
-}
-
-// verify_torch.filter_logits, op for op, over the active rows `act` (top-k, then top-p;
-// each applied where one of these rows asks for it, as draft_probs passes them)
-Tensor filter(Tensor z, const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
-              const Tensor& act, int64_t V) {
-  const double inf = std::numeric_limits<double>::infinity();
-  if (top_k.has_value()) {
-    Tensor k = top_k->index_select(0, act);
-    if (k.ne(0).any().item<bool>()) {
-      k = k.clamp(0, V);
-      k = at::where(k.eq(0), c10::Scalar(V), k);
-      const Tensor kth = std::get<0>(z.sort(-1, true)).gather(1, (k - 1).unsqueeze(1));
-      z = z.masked_fill(z < kth, -inf);
-    }
-  }
-  if (top_p.has_value()) {
-    const Tensor p = top_p->index_select(0, act);
-    if (p.lt(1.0).any().item<bool>()) {
-      const Tensor tp = p.unsqueeze(1);
-      const Tensor zs = std::get<0>(z.sort(-1, true));
-      const Tensor e = at::exp(zs - zs.slice(1, 0, 1));
-      const Tensor ps = e / e.sum({-1}, true);
-      const Tensor before = at::pad(ps.cumsum(-1).slice(1, 0, V - 1), {1, 0});
-      const Tensor first_tie = at::searchsorted(-zs, -zs);
-      const Tensor keep = before.gather(1, first_tie).lt(tp) | tp.ge(1.0);
-      const Tensor thresh = zs.masked_fill(~keep, inf).amin({-1}, true);
-      z = z.masked_fill(z < thresh, -inf);
-    }
-  }
-  return z;
 }
 
 constexpr int64_t GLOBALS = 4;      // embed, cos, sin, final norm
@@ -235,14 +205,25 @@ std::tuple<Tensor, Tensor> draft_steps(
     }
     Tensor next = op.argmax.call(logits);
     if (sampling) {
-      // DraftModelProposer.propose's draw, op for op: q = draft_probs (target_probs), an
-      // inverse-CDF draw keyed like verification, argmax for T = 0 rows
+      // DraftModelProposer.propose's draw, op for op: q = draft_probs (with a filter, the row
+      // filter's probabilities; else target_probs), an inverse-CDF draw keyed like
+      // verification, argmax for T = 0 rows
       const Tensor act = tensor(active), t = temperature->index_select(0, act);
       const Tensor greedy = t.eq(0);
-      const Tensor inv = at::reciprocal(at::where(t.gt(0), t, 1.0)) * 1.0;
-      const Tensor z = filter(logits * inv.unsqueeze(1), top_k, top_p, act, V);
-      const Tensor e = at::exp(z - z.amax({-1}, true));
-      const Tensor q = e / e.sum({-1}, true);
+      const Tensor tk = top_k.has_value() ? top_k->index_select(0, act) : Tensor();
+      const Tensor tp = top_p.has_value() ? top_p->index_select(0, act) : Tensor();
+      Tensor q;
+      if ((tk.defined() && tk.ne(0).any().item<bool>()) ||
+          (tp.defined() && tp.lt(1.0).any().item<bool>())) {   // verify.filtered_probs
+        q = op.row_probs.call(logits, at::where(t.gt(0), t, 1.0),
+                              tk.defined() ? tk.to(at::kInt) : at::zeros({M}, i64.dtype(at::kInt)),
+                              tp.defined() ? tp : at::ones({M}, t.options()));
+      } else {                                                  // target_probs
+        const Tensor inv = at::reciprocal(at::where(t.gt(0), t, 1.0)) * 1.0;
+        const Tensor z = logits * inv.unsqueeze(1);
+        const Tensor e = at::exp(z - z.amax({-1}, true));
+        q = e / e.sum({-1}, true);
+      }
       const Tensor u = op.uniform.call(seeds->index_select(0, act),
                                        offsets->index_select(0, act),
                                        at::full({M}, first_step + s, i64), stream, 0);

@@ -22,7 +22,7 @@ from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sequence import Sequence
 from batchspec.layers.attention import DECODE_MAX_Q
 from batchspec.spec.rng import STREAM_DRAFT, uniform_compiled
-from batchspec.spec.verify import greedy_tokens
+from batchspec.spec.verify import filtered_probs, greedy_tokens
 from batchspec.spec.verify_torch import target_probs
 
 
@@ -47,11 +47,16 @@ class Proposal:
 
 def draft_probs(logits: torch.Tensor, temperature: torch.Tensor, seqs: list[Sequence]):
     """The draft's sampling distribution q [R, V]: temperature, top-k, top-p by the same
-    rule as the target's p (verify_torch.target_probs); T = 0 rows use T = 1 (their q only
-    serves the confidence rule)."""
+    rule as the target's p (verify_torch.target_probs; with a filter on the CPU, the C++
+    row filter: verify.filtered_probs); T = 0 rows use T = 1 (their q only serves the
+    confidence rule)."""
     V = logits.shape[-1]
     top_k = [min(s.params.top_k, V) for s in seqs]
     top_p = [s.params.top_p for s in seqs]
+    if any(top_k) or any(p < 1.0 for p in top_p):
+        q = filtered_probs(logits, temperature, top_k, top_p)
+        if q is not None:
+            return q
     return target_probs(logits, temperature,
                         torch.tensor(top_k) if any(top_k) else None,
                         torch.tensor(top_p) if any(p < 1.0 for p in top_p) else None)[1]

@@ -90,14 +90,15 @@ def run_assisted(model, draft, prompt_ids, *, temperature, max_tokens, eos_id, s
     return {"tokens": tokens, "wall_s": time.perf_counter() - t0}
 
 
-def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens):
+def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0):
     from batchspec import SamplingParams
     from batchspec.spec.suffix import SuffixProposer
     for proposer in llm.engine.proposers.values():   # each run starts afresh
         if isinstance(proposer, SuffixProposer):
             proposer.domains.clear()
     t0 = time.perf_counter()
-    outs = llm.generate(prompt_ids, SamplingParams(temperature=temperature, max_tokens=max_tokens),
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    outs = llm.generate(prompt_ids, params,
                         domains=domains[:len(prompt_ids)], use_tqdm=False)
     wall = time.perf_counter() - t0
     from batchspec.contract import totals
