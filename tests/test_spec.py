@@ -274,6 +274,38 @@ def test_speculative_sampling_is_exact(model_factory, tmp_path, temperature, top
                                                                    top_p))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_speculative_sampling_is_exact_with_cpp_draft_steps(model_factory, tmp_path,
+                                                            temperature):
+    """As above in bf16, where the draft's sampled steps run in one C++ call
+    (kernels/draft_steps_cpu.cpp): the outputs follow the bf16 target's own distribution,
+    enumerated from its forward over each prefix (the short-row path verification windows
+    take)."""
+    V = 6
+    target = model_factory("llama", vocab_size=V, tokenizer=False, init_std=0.25, seed=11)
+    draft = noisy_copy(target, str(tmp_path / "draft"), scale=0.7)
+    llm = LLM(target, drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
+              dtype="bfloat16", min_acceptance=0.0)
+    if not llm.engine.proposers["default"].runner.steps_in_one_call:
+        pytest.skip("the C++ draft steps need AMX weights")
+    prompt, n = [1, 2, 3], 6000
+    params = [SamplingParams(temperature=temperature, max_tokens=3, seed=s) for s in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    drafted = sum(o.stats["total_drafted"] for o in outs)
+    accepted = sum(o.stats["total_accepted"] for o in outs)
+    assert drafted > 0.9 * n and 0 < accepted < drafted  # both paths exercised
+    runner = llm.engine.target
+    last_block = runner.kv_caches[0][0].shape[0] // runner.block_size - 1   # free now
+    joint = {}
+    for seq in itertools.product(range(V), repeat=2):
+        logits = runner.forward([prompt + list(seq)], [0], [[last_block]], [3])
+        _, probs = target_probs(logits, torch.full((3,), temperature), None, None)
+        for t in range(V):
+            joint[seq + (t,)] = float(probs[0, seq[0]] * probs[1, seq[1]] * probs[2, t])
+    assert_follows([tuple(o.token_ids) for o in outs], joint)
+
+
 def assert_follows(samples: list[tuple], joint: dict):
     """Chi-square test of sampled token tuples against the exact joint distribution (rare
     outcomes pooled into one cell); impossible outcomes must not occur."""
