@@ -26,6 +26,7 @@
 // caches:      per layer k, v [slots, kv heads, head dim]
 // feed:        the rows' pending tokens, concatenated; feed_lens [R] (1-16 each)
 // positions:   [R] the position of each row's first pending token; block_tables [R, width]
+//              (a shorter table padded with -1)
 // steps:       [R] forwards per row (>= 1)
 // temperature: [R] fp32, with seeds and offsets [R] int64 (the draw's key: seed, output
 //              tokens so far, first_step + step, stream); None: every row greedy
@@ -160,10 +161,11 @@ std::tuple<Tensor, Tensor> draft_steps(
       const int64_t first = ids.size(), q = pending[r].size();
       for (int64_t j = 0; j < q; ++j) {
         const int64_t p = pos[r] + j;
-        TORCH_CHECK(p / block_size < W, "draft_steps: a row's block table is too short");
+        const int64_t block = p / block_size < W ? tab[r * W + p / block_size] : -1;
+        TORCH_CHECK(block >= 0, "draft_steps: a row's block table is too short");
         ids.push_back(pending[r][j]);
         pids.push_back(p);
-        slots.push_back(tab[r * W + p / block_size] * block_size + p % block_size);
+        slots.push_back(block * block_size + p % block_size);
       }
       rows.insert(rows.end(), {first, q, pos[r] + q});
       last.push_back(first + q - 1);

@@ -88,6 +88,9 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
         runner.allocate_kv_cache(64, 16)
         if not cpp:
             runner._steps = False            # as where the op is not available
+        else:   # a table too short for a row's steps (here the second's) is refused
+            with pytest.raises(RuntimeError, match="block table is too short"):
+                runner.draft_steps([[1], [1]], [40, 40], [[20, 21, 22], [23, 24]], [1, 1])
         seqs = []
         for i, (p, t) in enumerate(zip(prompts, temps)):
             runner.forward([p], [0], [tables[i]], [1])

@@ -110,7 +110,7 @@ class Engine:
             args = ([[0] * q] * b, [ctx] * b, tables, [q] * b)
             run, steps = (lambda: runner.forward(*args).sum().item()), 1
             # a draft whose steps run in one C++ call: a step is a k-th of k steps' call
-            if draft and runner.draft_steps(*args[:3], [k] * b) is not None:
+            if draft and runner.steps_in_one_call:
                 run, steps = (lambda: runner.draft_steps(*args[:3], [k] * b)), k
             run()  # warm-up
             best = float("inf")

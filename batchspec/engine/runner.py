@@ -38,6 +38,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.kv_caches = None
         self.block_size = 16
+        self._steps = False   # (op, weights, dims, caches) of draft_steps, or False: not here
 
     def use_int8_head(self) -> bool:
         """A draft's output layer in int8 (LlamaForCausalLM.use_int8_head); whether it
@@ -51,8 +52,6 @@ class ModelRunner:
         if self.kv_caches is not None:
             self._find_draft_steps()
         return took
-
-    _steps = False  # (op, weights, dims, caches) of draft_steps, or False: not here
 
     @property
     def steps_in_one_call(self) -> bool:
@@ -68,16 +67,17 @@ class ModelRunner:
         feeds[i] (1 to DECODE_MAX_Q tokens) from positions[i], then the token drawn from its
         last logits, for steps[i] >= 1 forwards. sampling: each row's temperature, seed and
         output tokens so far (the draw's key, with first_step + step), top-k (at most V; 0:
-        off) and top-p (greedy rows take the argmax; None: all greedy). Returns each row's steps[i] tokens and, when sampling, q
-        [rows, max(steps), V]: DraftModelProposer.propose's tokens and q, bit for bit. None
-        where the op does not cover this model (LlamaForCausalLM.draft_steps_weights),
-        device or rows: the caller then steps with `forward`."""
+        off) and top-p (greedy rows take the argmax; None: all greedy). Returns each row's
+        steps[i] tokens and, when sampling, q [rows, max(steps), V]:
+        DraftModelProposer.propose's tokens and q, bit for bit. None where the op does not
+        cover this model (LlamaForCausalLM.draft_steps_weights), device or rows: the caller
+        then steps with `forward`."""
         if not self._steps or any(len(f) > DECODE_MAX_Q for f in feeds):
             return None
         op, weights, dims, caches = self._steps
         width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
-                              dtype=torch.long)
+        tables = torch.tensor([t + [-1] * (width - len(t)) for t in block_tables],
+                              dtype=torch.long)   # (-1: past a row's table, checked)
         longs = torch.tensor([t for f in feeds for t in f] + [len(f) for f in feeds] +
                              positions + steps, dtype=torch.long)
         T, R = longs.shape[0] - 3 * len(feeds), len(feeds)

@@ -45,14 +45,18 @@ class Proposal:
                         None if self.classes is None else self.classes[:n])
 
 
+def row_filters(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[float]]:
+    """Each row's top-k (at most the vocabulary; 0: off) and top-p (1: off)."""
+    return ([min(s.params.top_k, vocab_size) for s in seqs],
+            [s.params.top_p for s in seqs])
+
+
 def draft_probs(logits: torch.Tensor, temperature: torch.Tensor, seqs: list[Sequence]):
     """The draft's sampling distribution q [R, V]: temperature, top-k, top-p by the same
     rule as the target's p (verify_torch.target_probs; with a filter on the CPU, the C++
     row filter: verify.filtered_probs); T = 0 rows use T = 1 (their q only serves the
     confidence rule)."""
-    V = logits.shape[-1]
-    top_k = [min(s.params.top_k, V) for s in seqs]
-    top_p = [s.params.top_p for s in seqs]
+    top_k, top_p = row_filters(seqs, logits.shape[-1])
     if any(top_k) or any(p < 1.0 for p in top_p):
         q = filtered_probs(logits, temperature, top_k, top_p)
         if q is not None:
@@ -140,10 +144,9 @@ class DraftModelProposer:
         more = [rows[i][1] - len(out[i].token_ids) for i in active]
         sampling = None
         if any(s.params.temperature > 0 for s in seqs):
-            V = self.runner.cfg.vocab_size
             sampling = ([s.params.temperature for s in seqs], [s.seed for s in seqs],
                         [s.num_output_tokens for s in seqs],
-                        [min(s.params.top_k, V) for s in seqs], [s.params.top_p for s in seqs])
+                        *row_filters(seqs, self.runner.cfg.vocab_size))
         got = self.runner.draft_steps(
             [feed[i] for i in active], [s.spec.num_draft_computed for s in seqs],
             [s.block_table for s in seqs], more, step, sampling)
