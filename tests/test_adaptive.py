@@ -360,15 +360,25 @@ def test_the_side_behind_takes_the_lead_only_when_clearly_ahead(spec_slowdown, l
 def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
     """A step that runs plain because plain leads (plans are weighed only every EXPLORE
     steps) costs what a plain engine's step does: no source drafts for it, lookups neither
-    (they used to draft every row, and their drafts were then dropped)."""
+    (they used to draft every row, and their drafts were then dropped), and the scheduler
+    reserves no draft slots for it (they used to cost a block now and then, allocated and
+    freed in the same step)."""
     from batchspec.spec.policy import EXPLORE
     llm = LLM(tiny_llama, drafts={"default": "suffix"}, device="cpu", min_acceptance=0.0,
               adaptive_k=True)
     engine = llm.engine
     proposer = engine.proposers["default"]
-    calls = []
+    calls, slots = [], []
     real = proposer.propose
     proposer.propose = lambda rows: calls.append(len(rows)) or real(rows)
+    schedule = engine.scheduler.schedule
+
+    def counted(*args, **kwargs):
+        scheduled = schedule(*args, **kwargs)
+        slots.append(sum(s.max_drafts for s in scheduled))
+        return scheduled
+
+    engine.scheduler.schedule = counted
     engine.policy._winner = False       # plain leads (the first mix seen keeps this state)
     for i, prompt in enumerate(([1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4, 5])):
         engine.add_request(llm.make_request(prompt, SamplingParams(max_tokens=40,
@@ -376,9 +386,9 @@ def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
     engine.step()                        # prefill
     for _ in range(EXPLORE - 1):
         engine.step()
-        assert not calls
+        assert not calls and slots[-1] == 0
     engine.step()                        # the plans are weighed: the lookup drafts
-    assert calls == [2]
+    assert calls == [2] and slots[-1] == 2 * engine.config.num_speculative_tokens
 
 
 def test_speculating_steps_whose_drafts_catch_up_are_measured(tiny_llama):

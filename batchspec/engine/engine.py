@@ -229,12 +229,13 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
         """One engine step. Returns (sequences finished in it, tokens generated in it)."""
-        scheduled = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        plain = self._runs_plain()
+        scheduled = self.scheduler.schedule(drafts=not plain)
         if not scheduled:
             return [], 0
         sampling = [s for s in scheduled if s.is_sampling]
-        t0 = time.perf_counter()
-        chose = self.propose(sampling)
+        chose = plain or self.propose(sampling)
         # Every row's uncomputed tokens then its drafts; a sampling row gets 1 + n_i logits.
         logits = self.target.forward([s.input_token_ids for s in scheduled],
                                      [s.seq.num_computed_tokens for s in scheduled],
@@ -256,18 +257,13 @@ class Engine:
         between a model draft and a lookup keeps the lookup's drafts when the policy expects
         more of them than of the model's (else the model drafts). With adaptive_k the policy
         then sets every row's length (what a lookup found bounds its row), and model drafts
-        draft only that many, level by level; a step the policy runs plain without weighing
-        plans (plain leads) drafts nothing at all. Returns whether the policy chose lengths
+        draft only that many, level by level (a step the policy runs plain without weighing
+        plans does not get here: see _runs_plain). Returns whether the policy chose lengths
         this step: the step is then measured, the drafts' catch-up included (a new row's
         prompt, a routed row's lookup rounds: costs speculation pays and plain does not)."""
         rows = [s for s in sampling if s.max_drafts > 0]
         lookups = self.policy.costs is not None and \
             any(s.seq.spec.draft in self.lookup_fed for s in rows)
-        if rows and self.policy.costs is not None and \
-                self.policy.plain_step([s.seq for s in rows], len(sampling), lookups):
-            for s in rows:      # plain leads: no source drafts (lookups neither)
-                s.max_drafts = 0
-            return True
         for s in rows:
             s.source = s.seq.spec.draft
         is_model = {name: isinstance(p, DraftModelProposer) for name, p in self.proposers.items()}
@@ -301,6 +297,21 @@ class Engine:
             if is_model[name] and group:
                 self._draft(name, group)
         return chose
+
+    def _runs_plain(self) -> bool:
+        """Whether the policy runs this step plain without weighing plans (adaptive_k, plain
+        leads for the decode rows' mix of temperatures, no try due); asked before
+        scheduling, so that such a step reserves no draft slots and no source drafts
+        (lookups neither): it costs what a plain engine's step does."""
+        policy = self.policy
+        if policy.costs is None:
+            return False
+        seqs = [seq for seq in self.scheduler.running
+                if seq.num_uncomputed_tokens == 1 and policy.lookahead(seq) > 0]
+        if not seqs:
+            return False
+        lookups = any(seq.spec.draft in self.lookup_fed for seq in seqs)
+        return policy.plain_step(seqs, len(self.scheduler.running), lookups)
 
     @staticmethod
     def _by_source(rows: list[ScheduledSeq]) -> dict[str, list[ScheduledSeq]]:

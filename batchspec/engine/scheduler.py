@@ -67,7 +67,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self, drafts: bool = True) -> list[ScheduledSeq]:
+        """This step's rows. drafts=False: no decode row gets draft slots (a step the
+        speculation policy runs plain reserves, and costs, what a plain engine's does)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         i = 0
@@ -75,7 +77,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             max_drafts = 0
-            if seq.num_uncomputed_tokens == 1:
+            if drafts and seq.num_uncomputed_tokens == 1:
                 max_drafts = max(0, min(self.lookahead(seq), budget - 1))
             if not self._reserve(seq, seq.num_computed_tokens + num_new + max_drafts):
                 break  # seq itself was preempted; everything after it too
