@@ -161,6 +161,33 @@ def test_bench_pairs_each_rounds_runs_for_its_ratios():
     assert "x_plain_paired" not in rows[0]     # a baseline is not paired with itself
 
 
+def test_bench_engines_take_turns_step_by_step(tiny_llama, tiny_draft):
+    """--turns steps: the engines of a round step in turns, the first of each turn rotating,
+    each charged its own steps' time; their outputs and counts are those of whole runs."""
+    pytest.importorskip("batchspec.spec.verify")
+    from batchspec.tools.bench import make_llm, run_engine, run_engines_in_turns
+    models = {"target": tiny_llama, "draft": tiny_llama, "draft-code": tiny_draft,
+              "draft-docs": tiny_llama}   # rows without a domain: a perfect draft
+    llms = {m: make_llm(m, models, 2, 3, 0, 0.0, 1, "float32")
+            for m in ("plain", "spec-domain", "suffix")}
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [2, 4, 6, 8, 10, 12], [9, 9, 9]]
+    domains = [None, "docs", None, "code"]
+    kw = dict(domains=domains, temperature=0.0, max_tokens=6)
+    alone = {m: run_engine(llm, prompts, **kw) for m, llm in llms.items()}
+    order = []
+    for m, llm in llms.items():
+        step = llm.step
+        llm.step = lambda m=m, step=step: order.append(m) or step()
+    turns = run_engines_in_turns(llms, prompts, **kw)
+    for m in llms:
+        assert turns[m]["tokens"] == alone[m]["tokens"] == 4 * 6
+        assert turns[m]["totals"] == alone[m]["totals"]
+        assert 0 < turns[m]["wall_s"]
+    names = list(llms)
+    assert order[:6] == names + names[1:] + names[:1]   # one step each a turn, rotating
+    assert order.count("plain") > order.count("spec-domain")  # spec finishes in fewer steps
+
+
 def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):
     """The transformers replay (used by distill) and real speculative decoding count the
     same rounds on the bundled pair at T=0 (in fp32: in bf16 the two ways of computing the

@@ -18,7 +18,11 @@ and observed = tokens/s over batchspec plain at the same batch size and T. With 
 (N rounds in which the methods take turns) each speedup is the fastest run's over the
 baseline's fastest run, and `x_<baseline>_paired` the median over rounds of the ratio of the
 two runs of one round: on a machine whose speed drifts, the fastest runs of two methods may
-come from different stretches, while one round's runs come from the same one."""
+come from different stretches, while one round's runs come from the same one. In a round the
+batchspec methods take turns step by step (--turns steps, the default: each engine takes one
+step, then the next, and a method's time is the sum of its own steps'), so that even a slow
+stretch shorter than a run lands on all of them alike; --turns runs runs each method's whole
+job in turn. transformers methods always run whole runs in turn."""
 from __future__ import annotations
 
 import json
@@ -91,16 +95,52 @@ def run_assisted(model, draft, prompt_ids, *, temperature, max_tokens, eos_id, s
 
 
 def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0):
+    """One run of one engine method over prompt_ids (a whole job, timed as a whole)."""
+    _start_afresh(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_ids, _params(temperature, top_p, max_tokens),
+                        domains=domains[:len(prompt_ids)], use_tqdm=False)
+    return _engine_result(outs, time.perf_counter() - t0)
+
+
+def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0):
+    """One run of each engine method ({method: LLM}) over the same prompts, the engines
+    taking turns step by step: each takes one step, then the next, the first of each turn
+    rotating. A method's time is the sum of its own steps' times, so a stretch in which a
+    shared machine runs slower (seconds long, up to 3x on a 2-core VM) lands on every method
+    alike, where whole runs in turns leave it to whichever method ran then. Returns
+    run_engine's result per method."""
+    params = _params(temperature, top_p, max_tokens)
+    seqs, spent = {}, dict.fromkeys(llms, 0.0)
+    for method, llm in llms.items():
+        _start_afresh(llm)
+        seqs[method] = llm.add_requests(prompt_ids, params, domains[:len(prompt_ids)])
+    live, turn = list(llms), 0
+    while live:
+        first = turn % len(live)
+        for method in live[first:] + live[:first]:
+            t0 = time.perf_counter()
+            llms[method].step()
+            spent[method] += time.perf_counter() - t0
+        turn += 1
+        live = [m for m in live if llms[m].engine.has_unfinished()]
+    return {m: _engine_result([llms[m].output(s) for s in seqs[m]], spent[m]) for m in llms}
+
+
+def _params(temperature, top_p, max_tokens):
     from batchspec import SamplingParams
+    return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+
+
+def _start_afresh(llm):
+    """Each run starts with empty job-wide suffix tries."""
     from batchspec.spec.suffix import SuffixProposer
-    for proposer in llm.engine.proposers.values():   # each run starts afresh
+    for proposer in llm.engine.proposers.values():
         if isinstance(proposer, SuffixProposer):
             proposer.domains.clear()
-    t0 = time.perf_counter()
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-    outs = llm.generate(prompt_ids, params,
-                        domains=domains[:len(prompt_ids)], use_tqdm=False)
-    wall = time.perf_counter() - t0
+
+
+def _engine_result(outs, wall):
     from batchspec.contract import totals
     sources = [src for o in outs for src in o.stats["round_source"]]
     model_rounds = sum(src not in (None, "ngram", "suffix") for src in sources)
@@ -207,6 +247,9 @@ def print_table(rows):
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Runs per cell, the methods taking turns; the fastest is reported, and "
               "with 2 or more the median of each round's ratio to each baseline (paired).")
+@click.option("--turns", type=click.Choice(["steps", "runs"]), default="steps",
+              show_default=True, help="How batchspec methods take turns in a round: engine "
+              "step by engine step (each method's time is its own steps'), or whole runs.")
 @click.option("--threads", type=int, help="torch threads for every method (default: as "
               "the engine picks for this target).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
@@ -216,7 +259,7 @@ def print_table(rows):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_prompts,
           min_batches, max_tokens, batch_sizes, temperatures, methods, k, threshold, repeats,
-          threads, dtype, seed, json_path):
+          turns, threads, dtype, seed, json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
     from batchspec.models.loader import num_parameters
     models = {"target": target, "draft": draft, "draft-code": draft_code,
@@ -281,11 +324,19 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 # lengths learn in a job's first steps are not the throughput of a long job
                 runs[method](prompt_ids[:max(2, b)])
             # Methods take turns, so a busy stretch of a shared machine hits all of them; the
-            # fastest of each method's runs is its least disturbed one.
+            # fastest of each method's runs is its least disturbed one. With --turns steps
+            # the engines' runs of a round step in turns (one run for all of them).
             results: dict[str, list[dict]] = {m: [] for m in runs}
+            stepped = [m for m in runs if m in llms] if turns == "steps" else []
             for _ in range(repeats):
+                if len(stepped) > 1:
+                    for method, res in run_engines_in_turns(
+                            {m: llms[m] for m in stepped}, prompt_ids, domains=domains,
+                            temperature=t, max_tokens=max_tokens).items():
+                        results[method].append(res)
                 for method, run in runs.items():
-                    results[method].append(run(prompt_ids))
+                    if method not in stepped or len(stepped) == 1:
+                        results[method].append(run(prompt_ids))
             for method, res in results.items():
                 best = min(res, key=lambda r: r["wall_s"])
                 row = {"method": method, "batch_size": b, "temperature": t,
@@ -303,6 +354,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 "num_prompts": len(prompts), "min_batches": min_batches,
                 "max_tokens": max_tokens,
                 "k": k, "dtype": dtype, "confidence_threshold": threshold, "repeats": repeats,
+                "turns": turns,
                 "cost_ratio": round(cost, 4), "rows": rows}
         with open(json_path, "w") as f:
             json.dump(info, f, indent=1)
