@@ -228,6 +228,42 @@ def test_cpu_paged_attention_kernel_equals_sdpa(arch_model, dtype, lengths, monk
     torch.testing.assert_close(kernel, sdpa, **tol)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompts_beside_windows_run_in_the_kernel(arch_model, dtype, monkeypatch):
+    """On CPU, rows of up to CPU_KERNEL_MAX_Q new tokens (a new row's prompt, a prefill chunk
+    after cached context) run in the C++ kernel beside the batch's windows, longer ones in
+    SDPA: logits as SDPA gives them everywhere, and a prompt's logits the same bit for bit
+    alone as beside other rows (the kernel's result for a query depends on its keys only)."""
+    from batchspec.layers import attention
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    runner = ModelRunner(arch_model, "cpu", dtype)
+    runner.allocate_kv_cache(num_blocks=160, block_size=4)
+    bm = BlockManager(160, 4)
+    lengths, cached = (12, 40, 73, attention.CPU_KERNEL_MAX_Q + 2), (9, 0, 23, 0)
+    seqs = []
+    for i, (n, c) in enumerate(zip(lengths, cached)):
+        seq = Sequence(i, str(i), list(range(3, 3 + c + n)), SamplingParams(), seed=0)
+        bm.allocate(seq, c + n)
+        seqs.append(seq)
+        if c:
+            runner.forward([seq.token_ids[:c]], [0], [seq.block_table], [1])
+    rows = [seq.token_ids[c:] for seq, c in zip(seqs, cached)]
+    rows[0] = rows[0][:3]                      # a verification window
+    args = (rows, list(cached), [s.block_table for s in seqs], [3, 1, 1, 1])
+    meta = attention.build_metadata([(c, len(r)) for c, r in zip(cached, rows)], args[2], 4,
+                                    "cpu", runner.cfg.sliding_window)
+    if runner.cfg.sliding_window is None:      # only the longest row in SDPA
+        assert [q for _, q, _, _ in meta.prefill_rows] == [lengths[3]]
+    mixed = runner.forward(*args)
+    alone = runner.forward([rows[1]], [0], [seqs[1].block_table], [1])
+    assert torch.equal(mixed[3], alone[0])
+    monkeypatch.setattr(attention, "_cpu_op", False)
+    sdpa = runner.forward(*args)
+    tol = dict(atol=1e-4, rtol=0) if dtype == "float32" else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(mixed, sdpa, **tol)
+
+
 def _kernel_missing() -> bool:
     from batchspec.spec._build import load_error
     return load_error(False) is not None

@@ -7,7 +7,9 @@ block_table[p // block_size] * block_size + p % block_size.
 Backends:
 - `torch`: SDPA. Short rows (decodes and verification windows, q_len <= DECODE_MAX_Q) run as
   one padded batch gathered from the cache; longer rows (prefill chunks) run one by one, and a
-  prefill with no cached context attends to its own keys directly.
+  prefill with no cached context attends to its own keys directly. On CPU the C++ kernel
+  (kernels/paged_attention_cpu.cpp) takes the short rows instead, and every row of up to
+  CPU_KERNEL_MAX_Q new tokens with them.
 - `flash`: flash-attn `flash_attn_varlen_func` with block tables (CUDA, when installed).
 Both see the same AttentionMetadata, built once per forward and shared by all layers."""
 from __future__ import annotations
@@ -20,6 +22,11 @@ import torch
 import torch.nn.functional as F
 
 DECODE_MAX_Q = 16
+# On CPU with the C++ kernel, rows of up to this many new tokens run in it too (a new row's
+# prompt, admitted to a batch of decodes or windows): it walks each row's keys once through
+# the block table, where SDPA one row at a time cost more than the whole batch's windows
+# (docs/benchmarks.md). Longer rows (long prompts, prefill chunks) take SDPA.
+CPU_KERNEL_MAX_Q = 128
 log = logging.getLogger(__name__)
 
 
@@ -51,8 +58,10 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
     """rows: list of (num_computed, q_len) per sequence, in the order their tokens appear in
     the flat batch; block_tables: each sequence's block ids. Index arithmetic is vectorised
     on the host, then moved to `device` once."""
-    if backend == "torch" and sliding_window is None and \
-            all(q <= DECODE_MAX_Q for _, q in rows):
+    kernel = backend == "torch" and sliding_window is None and \
+        torch.device(device).type == "cpu" and bool(_load_cpu_op())
+    short = CPU_KERNEL_MAX_Q if kernel else DECODE_MAX_Q
+    if backend == "torch" and sliding_window is None and all(q <= short for _, q in rows):
         return _short_rows_metadata(rows, block_tables, block_size, device)
     R = len(rows)
     n = torch.tensor([r[0] for r in rows], dtype=torch.long)
@@ -73,7 +82,7 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
         blk = (p // block_size).clamp(max=width - 1)
         return tables[rows_idx][:, blk] * block_size + p % block_size
 
-    is_dec = qlen <= DECODE_MAX_Q
+    is_dec = qlen <= short
     dec = torch.nonzero(is_dec).flatten()
     if len(dec):
         dn, dq = n[dec], qlen[dec]
@@ -83,19 +92,20 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
         j = torch.arange(maxq)
         valid = j[None, :] < dq[:, None]                                        # [Bd, maxq]
         tok = torch.where(valid, starts[dec][:, None] + j[None, :], 0)
-        qpos = torch.where(valid, dn[:, None] + j[None, :], -1)[:, None, :, None]
-        kpos = torch.arange(maxctx)[None, None, None, :]
-        mask = (kpos <= qpos)
-        if sliding_window is not None:
-            mask &= kpos > qpos - sliding_window
-        mask |= (qpos < 0) & (kpos == 0)  # padded query rows attend somewhere (ignored)
+        if not kernel:   # (the C++ kernel masks by position itself)
+            qpos = torch.where(valid, dn[:, None] + j[None, :], -1)[:, None, :, None]
+            kpos = torch.arange(maxctx)[None, None, None, :]
+            mask = (kpos <= qpos)
+            if sliding_window is not None:
+                mask &= kpos > qpos - sliding_window
+            mask |= (qpos < 0) & (kpos == 0)  # padded query rows attend somewhere (ignored)
+            meta.dec_mask = mask.to(device)
         meta.dec_token_idx = tok.flatten().to(device)
         meta.dec_valid = valid.flatten().to(device)
         meta.dec_blocks = tables[dec][:, :nblk].contiguous().to(device)
         if sliding_window is None:  # the C++ kernel attends to every earlier key
             meta.dec_rows = torch.stack([starts[dec], dq, dn + dq], dim=1).to(device)
         meta.dec_is_whole_batch = maxq == 1 and len(dec) == R
-        meta.dec_mask = mask.to(device)
         meta.dec_shape = (len(dec), maxq, maxctx)
     for i in torch.nonzero(~is_dec).flatten().tolist():
         ni, qi = int(n[i]), int(qlen[i])
