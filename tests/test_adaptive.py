@@ -223,6 +223,36 @@ def test_measured_goodput_turns_a_losing_side_off():
     assert run(EXPLORE, 1.0).count(False) <= 1
 
 
+def test_tries_are_held_to_their_budget():
+    """Speculation close behind plain (tried every MAX_EXPLORE steps by the interval alone),
+    but each try step costs 10 plain steps: tries then cost at most EXPLORE_BUDGET (1%) of
+    the time measured and one try beyond it, where by the interval alone they cost 30%.
+    Cheap tries are not held back."""
+    from batchspec.spec.policy import MAX_EXPLORE, TRY_STEPS
+
+    def run(try_cost, steps=100 * MAX_EXPLORE):
+        policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+        seqs = rows_with(policy, 4, "d", 0.9)
+        set_slowdowns(policy, 4.5, 1.0)       # speculation measured as losing a little
+        policy._winner = False
+        tries = spent = total = 0.0
+        for _ in range(steps):
+            if policy.plain_step(seqs, 4):
+                seconds = 0.04
+            elif any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)):
+                seconds, tries, spent = 0.04 * try_cost, tries + 1, spent + 0.04 * (try_cost - 1)
+            else:
+                seconds = 0.04
+            total += seconds
+            policy.observe(seconds, 4)        # the same tokens: the try's cost is its time
+        return tries / (TRY_STEPS + 1), spent / total
+    tries, share = run(10.0)
+    assert share <= 0.015     # the budget and one try beyond it
+    assert tries >= 2
+    cheap_tries, _ = run(1.0)
+    assert cheap_tries >= 90      # every MAX_EXPLORE steps
+
+
 def test_a_speculating_step_after_plain_ones_is_not_measured():
     """It also catches the drafts' caches up (a switching cost): a try of speculation runs
     one step more than TRY_STEPS, and that first one is not measured."""

@@ -28,6 +28,11 @@ MAX_P = 0.98
 # TRY_STEPS measured steps (one step's time is noisy on a shared machine); one of
 # speculation runs one more first, unmeasured (see choose_lengths).
 EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.8, 3
+# Tries are also held to a budget: what they cost beyond the leading side's measured time
+# for the same tokens, summed, stays within this share of all measured steps' time (a try's
+# first step, with the drafts' catch-up, included). At 32 rows and T = 0.8 a try of
+# speculation cost about 4.5 plain steps, and tries every 80 steps cost 5% of a run.
+EXPLORE_BUDGET = 0.01
 # While plain leads, a try of speculation drafts only for rows whose drafts are least behind,
 # up to this many catch-up tokens per batch row in all (see SpecPolicy._behind).
 CATCH_UP_PER_ROW = 4
@@ -155,6 +160,9 @@ class SpecPolicy:
         self._try_left = 0                  # steps of a try of the other side still to run
         self._far = False                   # the side behind was far behind when last weighed
         self._speculated = False            # whether the last step speculated
+        self._trying = False                # whether this step is part of a try
+        # seconds tries cost beyond the leader's time for their tokens; seconds measured
+        self._explore_s, self._busy_s = 0.0, 0.0
         # this step's (speculates, predicted tokens, predicted seconds, a try of the side
         # that does not lead)
         self._chosen: tuple[bool, float, float, bool] | None = None
@@ -344,7 +352,8 @@ class SpecPolicy:
         if self._try_left and spec_n:    # a try goes on
             speculate = not self._winner
             self._try_left -= 1
-        elif spec_n and self._since >= (self._interval if close else FAR_EXPLORE):
+        elif spec_n and self._since >= (self._interval if close else FAR_EXPLORE) and \
+                self._may_explore():
             speculate = not speculate
             self._since = 0
             self._interval = min(2 * self._interval, MAX_EXPLORE)
@@ -358,7 +367,7 @@ class SpecPolicy:
         # so it is not measured (later steps are, a new row's prompt caught up included).
         warm_up = speculate and not self._speculated
         self._speculated = speculate
-        tried = speculate != self._winner
+        tried = self._trying = speculate != self._winner
         self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
             else (False, num_rows, plain_s, tried)
         return lengths
@@ -379,10 +388,11 @@ class SpecPolicy:
         step = self._since + 1   # (every interval is a multiple of EXPLORE)
         due = FAR_EXPLORE if self._far else self._interval
         if self._winner is not False or self._try_left or \
-                (not step % EXPLORE and (lookups or step >= due or not step % MAX_EXPLORE)):
+                (not step % EXPLORE and (lookups or not step % MAX_EXPLORE or
+                                         (step >= due and self._may_explore()))):
             return False
         self._since += 1
-        self._speculated = False
+        self._speculated = self._trying = False
         self._chosen = (False, num_rows, max(self.costs.target_tokens_s(num_rows, num_rows),
                                              1e-12), False)
         return True
@@ -462,6 +472,10 @@ class SpecPolicy:
             self._chosen = None
         self._mix = mix
 
+    def _may_explore(self) -> bool:
+        """Whether the tries so far leave room in EXPLORE_BUDGET for another."""
+        return self._explore_s <= EXPLORE_BUDGET * self._busy_s
+
     @staticmethod
     def _behind(rows: list[tuple[Sequence, str, int, bool]], num_rows: int) -> set[int]:
         """While plain leads, the rows a try of speculation leaves out: a model draft must
@@ -494,6 +508,17 @@ class SpecPolicy:
         pred_tokens, pred_s, tokens, seconds = m
         return (pred_tokens / pred_s) / (tokens / seconds)
 
+    def _count_try(self, seconds: float, tokens: int) -> None:
+        """Add a measured step's seconds to the time measured and, for a step of a try
+        (its first, unmeasured step too), what it took beyond the leading side's measured
+        seconds per token for its tokens to what tries have cost (EXPLORE_BUDGET)."""
+        if not 0.0 < seconds < 10.0:   # (a pause of the process says nothing)
+            return
+        self._busy_s += seconds
+        lead = self.measured.get(bool(self._winner)) if self._winner is not None else None
+        if self._trying and lead is not None and tokens:
+            self._explore_s = max(0.0, self._explore_s + seconds - tokens * lead[3] / lead[2])
+
     def observe(self, seconds: float, tokens: int, weight: float = 0.1,
                 try_weight: float = 0.3) -> None:
         """Fold the measured time and tokens of the step whose lengths choose_lengths chose
@@ -504,6 +529,7 @@ class SpecPolicy:
         counts at most twice (or half) its side's measured / predicted time, so that a
         burst of load on a busy machine moves it by at most a tenth. A load that changes is
         seen by the side that runs, and the other one's next try brings it up to date."""
+        self._count_try(seconds, tokens)
         if self._chosen is None:
             return
         speculate, pred_tokens, pred_s, tried = self._chosen
