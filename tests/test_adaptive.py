@@ -527,3 +527,18 @@ def test_small_plans_weighed_in_python_match_numpy(monkeypatch):
         monkeypatch.setattr(policy_module, "SMALL_PLAN", 16)
         assert small[0] == big[0] and list(small[4]) == list(big[4])
         assert small[1:4] == pytest.approx(big[1:4], rel=0, abs=0), (small[:4], big[:4])
+
+
+def test_only_adaptive_or_routed_engines_keep_acceptance_estimates(tiny_llama):
+    """The policy's per-depth estimates serve adaptive lengths and routing only: a fixed-k
+    engine does not pay for them on every row of every step (about 3 us a row, 1% of a
+    32-row step of suffix drafts)."""
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4, 5]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for adaptive in (False, True):
+        llm = LLM(tiny_llama, drafts={"default": tiny_llama}, device="cpu",
+                  min_acceptance=0.0, adaptive_k=adaptive)
+        llm.engine.policy._winner = adaptive or None   # adaptive: speculation leads
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert sum(o.stats["total_drafted"] for o in outs) > 0
+        assert bool(llm.engine.policy.pooled) is adaptive

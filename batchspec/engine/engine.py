@@ -364,6 +364,8 @@ class Engine:
         """Append each sampling row's accepted drafts and next token (b-th sampling row: row
         b of out_ids), roll back the KV of rejected drafts, record the round, check stops."""
         finished, num_tokens, b = [], 0, 0
+        # the policy's acceptance estimates serve adaptive lengths and routing only
+        estimates = self.policy.costs is not None or bool(self.routes)
         for s in scheduled:
             seq = s.seq
             if not s.is_sampling:
@@ -374,8 +376,9 @@ class Engine:
             b += 1
             if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
                 seq.record_round(s.num_drafts, m, self.source_label.get(s.source))
-                self.policy.record(seq, s.source, s.num_drafts, m,
-                                   s.proposal.classes if s.proposal is not None else None)
+                if estimates:
+                    self.policy.record(seq, s.source, s.num_drafts, m,
+                                       s.proposal.classes if s.proposal is not None else None)
                 if s.proposal is not None and s.proposal.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
                 self.policy.update_fallback(seq)
