@@ -498,9 +498,11 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
     assert weighed == list(range(EXPLORE, MAX_EXPLORE + 1, EXPLORE))
 
 
-def test_small_plans_weighed_in_python_match_numpy(monkeypatch):
+@pytest.mark.parametrize("most_rows", [4, 40])
+def test_small_plans_weighed_in_python_match_numpy(monkeypatch, most_rows):
     """Plans of up to SMALL_PLAN slots are weighed without numpy: the same slots, rate,
-    tokens and seconds as the numpy path, ties included, over random rows and costs."""
+    tokens and seconds as the numpy path, ties included, over random rows and costs, of up
+    to 4 rows (what the Python path weighs) and up to 40 (the numpy path's own work)."""
     import random
 
     import batchspec.spec.policy as policy_module
@@ -510,7 +512,7 @@ def test_small_plans_weighed_in_python_match_numpy(monkeypatch):
         extra = rng.choice([0.0, 1e-4, 1e-3, 5e-3])
         target = {q: [0.01 * c * (1 + extra * (q - 1)) for c in b_costs] for q in range(1, 6)}
         policy = make_policy(target, {"a": [1e-3, 2e-3, 9e-3], "b": [2e-4, 5e-4, 4e-3]})
-        num = rng.randint(1, 4)
+        num = rng.randint(1, most_rows)
         rows = []
         for _ in range(num):
             src = rng.choice(["a", "b", "look"])
@@ -521,6 +523,7 @@ def test_small_plans_weighed_in_python_match_numpy(monkeypatch):
         else:
             probs = [[rng.random() for _ in range(n)] for _, _, n, _ in rows]
         num_rows = num + rng.randint(0, 3)
+        monkeypatch.setattr(policy_module, "SMALL_PLAN", 1 << 30)
         small = policy._plan(rows, probs, set(), num_rows)
         monkeypatch.setattr(policy_module, "SMALL_PLAN", 0)
         big = policy._plan(rows, probs, set(), num_rows)
@@ -542,3 +545,4 @@ def test_only_adaptive_or_routed_engines_keep_acceptance_estimates(tiny_llama):
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert sum(o.stats["total_drafted"] for o in outs) > 0
         assert bool(llm.engine.policy.pooled) is adaptive
+
