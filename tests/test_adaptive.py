@@ -546,3 +546,22 @@ def test_only_adaptive_or_routed_engines_keep_acceptance_estimates(tiny_llama):
         assert sum(o.stats["total_drafted"] for o in outs) > 0
         assert bool(llm.engine.policy.pooled) is adaptive
 
+
+
+def test_the_batch_mix_follows_rows_that_join_and_leave(tiny_llama):
+    """The engine keeps the rows that may draft, and their mix of temperatures, until the
+    batch's rows change (scheduler.version): a row that finishes leaves the mix."""
+    llm = LLM(tiny_llama, drafts={"default": "suffix"}, device="cpu", min_acceptance=0.0,
+              adaptive_k=True, max_num_seqs=2)
+    engine = llm.engine
+    engine.policy._winner = False           # plain leads (the first mix seen keeps this)
+    for i, (n, t) in enumerate(((3, 0.0), (30, 0.8))):
+        engine.add_request(llm.make_request([1 + i, 2, 3, 4], SamplingParams(
+            max_tokens=n, temperature=t, ignore_eos=True), str(i)))
+    mixes, gone = [], False
+    while engine.has_unfinished():
+        finished, _ = engine.step()
+        mixes.append((gone, engine.policy._mix))
+        gone = gone or any(seq.request_id == "0" for seq in finished)
+    assert (False, (0.0, 0.8)) in mixes
+    assert {mix for after, mix in mixes if after} == {(0.8,)}

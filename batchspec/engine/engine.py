@@ -77,6 +77,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.policy.lookahead)
         self._next_id = 0
+        # rows of the batch that may draft: (scheduler version, rows, any from lookups,
+        # their mix of temperatures)
+        self._drafting: tuple[int, list[Sequence], bool, tuple] = (-1, [], False, ())
         if c.adaptive_k and k > 0:
             self.policy.costs = self.measure_step_costs()
 
@@ -303,15 +306,21 @@ class Engine:
         leads for the decode rows' mix of temperatures, no try due); asked before
         scheduling, so that such a step reserves no draft slots and no source drafts
         (lookups neither): it costs what a plain engine's step does."""
-        policy = self.policy
+        policy, running = self.policy, self.scheduler.running
         if policy.costs is None:
             return False
-        seqs = [seq for seq in self.scheduler.running
-                if seq.num_uncomputed_tokens == 1 and policy.lookahead(seq) > 0]
-        if not seqs:
+        if self._drafting[0] != self.scheduler.version:   # the batch's rows changed
+            seqs = [seq for seq in running
+                    if seq.spec.draft is not None and not seq.spec.fallback_triggered]
+            lookups = any(seq.spec.draft in self.lookup_fed for seq in seqs)
+            self._drafting = (self.scheduler.version, seqs, lookups, policy.mix_of(seqs))
+        _, seqs, lookups, mix = self._drafting
+        # (a row that fell back or has no room left to draft stays in seqs until the batch's
+        # rows change: it only counts its temperature in the mix)
+        if not seqs or not any(seq.num_uncomputed_tokens == 1 and policy.lookahead(seq) > 0
+                               for seq in seqs):
             return False
-        lookups = any(seq.spec.draft in self.lookup_fed for seq in seqs)
-        return policy.plain_step(seqs, len(self.scheduler.running), lookups)
+        return policy.plain_step(seqs, len(running), lookups, mix)
 
     @staticmethod
     def _by_source(rows: list[ScheduledSeq]) -> dict[str, list[ScheduledSeq]]:

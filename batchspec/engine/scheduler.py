@@ -59,6 +59,7 @@ class Scheduler:
         self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.version = 0   # changes whenever a sequence joins or leaves `running`
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -102,6 +103,7 @@ class Scheduler:
             self._admit(seq, cached)
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
             self.running.append(seq)
+            self.version += 1
             scheduled.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new
         return scheduled
@@ -131,6 +133,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free seq's KV and put it back at the front of the queue to be recomputed."""
         self.running.remove(seq)
+        self.version += 1
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.spec.num_draft_computed = 0
@@ -155,6 +158,7 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+            self.version += 1
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

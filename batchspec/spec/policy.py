@@ -372,7 +372,13 @@ class SpecPolicy:
             else (False, num_rows, plain_s, tried)
         return lengths
 
-    def plain_step(self, seqs: list[Sequence], num_rows: int, lookups: bool = False) -> bool:
+    @staticmethod
+    def mix_of(seqs: list[Sequence]) -> tuple:
+        """The mix of temperatures (each rounded to 0.1) of rows that may speculate."""
+        return tuple(sorted({temperature_bucket(seq) for seq in seqs}))
+
+    def plain_step(self, seqs: list[Sequence], num_rows: int, lookups: bool = False,
+                   mix: tuple | None = None) -> bool:
         """Whether this step of num_rows rows (seqs: those that may speculate) runs plain
         without weighing plans: plain leads for the rows' mix of temperatures and no try of
         speculation is due. The engine asks before any source drafts, so that such a step
@@ -383,8 +389,9 @@ class SpecPolicy:
         speculation was far behind at the last weighing; then every EXPLORE steps until one
         starts) and every MAX_EXPLORE steps (new rows may change the plan): a model draft's
         plan changes only with what its tries measure, and weighing every EXPLORE steps cost
-        a few percent of a run that stays plain (about 1 ms a weighing at batch size 8)."""
-        self._use_mix(tuple(sorted({temperature_bucket(seq) for seq in seqs})))
+        a few percent of a run that stays plain (about 1 ms a weighing at batch size 8).
+        mix: mix_of(seqs), where the caller keeps it."""
+        self._use_mix(self.mix_of(seqs) if mix is None else mix)
         step = self._since + 1   # (every interval is a multiple of EXPLORE)
         due = FAR_EXPLORE if self._far else self._interval
         if self._winner is not False or self._try_left or \
