@@ -62,7 +62,7 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
         torch.device(device).type == "cpu" and bool(_load_cpu_op())
     short = CPU_KERNEL_MAX_Q if kernel else DECODE_MAX_Q
     if backend == "torch" and sliding_window is None and all(q <= short for _, q in rows):
-        return _short_rows_metadata(rows, block_tables, block_size, device)
+        return _short_rows_metadata(rows, block_tables, block_size, device, kernel)
     R = len(rows)
     n = torch.tensor([r[0] for r in rows], dtype=torch.long)
     qlen = torch.tensor([r[1] for r in rows], dtype=torch.long)
@@ -124,9 +124,11 @@ def build_metadata(rows, block_tables: list[list[int]], block_size: int, device,
     return meta
 
 
-def _short_rows_metadata(rows, block_tables, block_size, device):
-    """Fast path when every row is short (decodes, verification windows, draft steps): plain
-    list arithmetic instead of tensor index ops, whose per-op cost dominates at small batch."""
+def _short_rows_metadata(rows, block_tables, block_size, device, kernel):
+    """Fast path when every row is short (decodes, verification windows, draft steps, and
+    with the C++ kernel (`kernel`) prompts of up to CPU_KERNEL_MAX_Q tokens): plain list
+    arithmetic instead of tensor index ops, whose per-op cost dominates at small batch. The
+    kernel reads rows, blocks and slots only: the padded batch SDPA needs is not built."""
     maxq = max(q for _, q in rows)
     nblk = -(-max(n + q for n, q in rows) // block_size)
     slots = [t[p // block_size] * block_size + p % block_size
@@ -142,6 +144,9 @@ def _short_rows_metadata(rows, block_tables, block_size, device):
         dec_blocks=torch.tensor(blocks, dtype=torch.long).to(device),
         dec_shape=(len(rows), maxq, nblk * block_size), dec_is_whole_batch=whole,
         dec_rows=[[f, q, n + q] for f, (n, q) in zip(firsts, rows)])
+    if kernel:   # (the C++ kernel masks by position itself)
+        meta.dec_token_idx = torch.empty(0, dtype=torch.long)
+        return meta
     if not whole:
         starts, tok, valid = 0, [], []
         for _, q in rows:
@@ -152,8 +157,6 @@ def _short_rows_metadata(rows, block_tables, block_size, device):
         meta.dec_valid = torch.tensor(valid).to(device)
     else:
         meta.dec_token_idx = torch.empty(0, dtype=torch.long)
-    if torch.device(device).type == "cpu" and _load_cpu_op():
-        return meta   # the C++ kernel masks by position itself
     qpos = torch.tensor([[n + j if j < q else -1 for j in range(maxq)] for n, q in rows])
     kpos = torch.arange(nblk * block_size)[None, None, :]
     mask = kpos <= qpos[:, :, None]                                   # [B, maxq, maxctx]

@@ -116,14 +116,19 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
         _start_afresh(llm)
         seqs[method] = llm.add_requests(prompt_ids, params, domains[:len(prompt_ids)])
     live, turn = list(llms), 0
-    while live:
-        first = turn % len(live)
-        for method in live[first:] + live[:first]:
-            t0 = time.perf_counter()
-            llms[method].step()
-            spent[method] += time.perf_counter() - t0
-        turn += 1
-        live = [m for m in live if llms[m].engine.has_unfinished()]
+    try:
+        while live:
+            first = turn % len(live)
+            for method in live[first:] + live[:first]:
+                t0 = time.perf_counter()
+                llms[method].step()
+                spent[method] += time.perf_counter() - t0
+            turn += 1
+            live = [m for m in live if llms[m].engine.has_unfinished()]
+    finally:   # interrupted: leave every engine clean, as LLM.generate does
+        for llm in llms.values():
+            if llm.engine.has_unfinished():
+                llm.engine.abort_all()
     return {m: _engine_result([llms[m].output(s) for s in seqs[m]], spent[m]) for m in llms}
 
 
