@@ -1,6 +1,7 @@
 """Offline API: LLM(...).generate(prompts, params) -> list[RequestOutput]."""
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +18,18 @@ from batchspec.contract import (
 from batchspec.engine.engine import Engine
 from batchspec.engine.sequence import Sequence
 from batchspec.sampling import SamplingParams
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive now out of the cyclic collector's reach
+    (gc.freeze), as a process that owns its engine does once the models are loaded. The
+    import and load heap (over 300,000 objects with torch and transformers) is static, yet
+    every full collection scanned it: 0.15 s a pause on the 2-core CPU VM, landing on
+    whichever step allocated then. Objects frozen by an earlier call are unfrozen first, so
+    an engine dropped since is collected."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass

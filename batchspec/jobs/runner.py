@@ -325,8 +325,9 @@ def run_local(spec: JobSpec, progress: bool = True, llm=None, overwrite: bool = 
     job_id = spec.job_id or new_job_id(spec.name)
     todo = [s for s in shards if not is_done(spec, s)]
     if todo and llm is None:
-        from batchspec.llm import LLM
+        from batchspec.llm import LLM, freeze_heap
         llm = LLM.from_config(spec.engine_config())
+        freeze_heap()
     claim_output(spec.to_dict(), shards)
     timings = {"started_at": utcnow()}
     t0 = time.perf_counter()

@@ -76,10 +76,12 @@ def get_llm(spec: JobSpec):
     key = json.dumps(dataclasses.asdict(config), sort_keys=True)
     if _engine["key"] != key or _engine["llm"].engine.closed:
         _engine.update(key=None, llm=None)
+        gc.unfreeze()   # the engine dropped was frozen with the heap at its load
         gc.collect()
-        from batchspec.llm import LLM
+        from batchspec.llm import LLM, freeze_heap
         log.info("loading %s (drafts %s) on %s", config.model, config.drafts, config.device)
         _engine.update(key=key, llm=LLM.from_config(config))
+        freeze_heap()
     return _engine["llm"]
 
 
