@@ -166,6 +166,24 @@ def test_a_burst_of_load_moves_a_side_by_a_tenth_at_most():
     assert policy._slowdown(False) == 1.0
 
 
+def test_a_step_that_also_runs_a_prompt_is_measured_with_the_prompt_predicted():
+    """At large batches with speculation nearly every step admits a row: such steps are
+    measured, their prediction adding what the prompt tokens cost (timed at start-up). A
+    step as slow as that prediction measures no slowdown; one with more than twice the
+    prompt tokens timed is not measured."""
+    from batchspec.spec.policy import PROMPT_TIMED
+    policy = make_policy({q: [0.001 * q, 0.004 * q, 0.032 * q] for q in range(1, 6)})
+    policy.costs.prompt_token_s = 0.001
+    seqs = rows_with(policy, 4, "d", 0.9)
+    policy._winner = False
+    assert policy.plain_step(seqs, 4)                  # 4 rows of one token: 4 ms
+    policy.observe(0.004 + 0.007, 4, prompt_rows=1, prompt_tokens=7)   # and a prompt of 7
+    assert policy._slowdown(False) == pytest.approx(1.0)
+    assert policy.plain_step(seqs, 4)
+    policy.observe(1.0, 4, prompt_rows=1, prompt_tokens=2 * PROMPT_TIMED + 1)
+    assert policy.observed[False] == 1 and policy._slowdown(False) == pytest.approx(1.0)
+
+
 def test_slowdown_is_a_ratio_of_averages_not_an_average_of_ratios():
     """Speculating steps at batch size 1 make 1 to k+1 tokens: steps as predicted on
     average (2 tokens predicted, 1 and 3 made in turn, in the predicted time) measure a
@@ -179,7 +197,8 @@ def test_slowdown_is_a_ratio_of_averages_not_an_average_of_ratios():
 
 def test_the_other_side_is_tried_ever_more_rarely_while_it_loses():
     """Speculation leads by a little (measured slowdowns bring the model's 4x down to
-    1.17x): plain is tried for TRY_STEPS steps after 10, 20, 40, 80, 80 ... steps. Far behind (the model's 4x,
+    1.17x): plain is tried for TRY_STEPS measured steps (and one weighed first) after 10,
+    20, 40, 80, 80 ... steps. Far behind (the model's 4x,
     both sides measured as predicted), only every FAR_EXPLORE steps."""
     from batchspec.spec.policy import EXPLORE, FAR_EXPLORE, MAX_EXPLORE, TRY_STEPS
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
@@ -189,7 +208,8 @@ def test_the_other_side_is_tried_ever_more_rarely_while_it_loses():
              for _ in range(32 * EXPLORE)]
     plain = [i for i, p in enumerate(picks, 1) if p == [0] * 4]
     starts = [EXPLORE, 3 * EXPLORE, 7 * EXPLORE, 15 * EXPLORE, 23 * EXPLORE, 31 * EXPLORE]
-    assert plain == [t + i for t in starts for i in range(TRY_STEPS)] and picks[0] == [4] * 4
+    assert plain == [t + i for t in starts for i in range(TRY_STEPS + 1)] and \
+        picks[0] == [4] * 4
     assert MAX_EXPLORE == 8 * EXPLORE
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     set_slowdowns(policy, 1.0, 1.0)
@@ -269,6 +289,50 @@ def test_a_speculating_step_after_plain_ones_is_not_measured():
     assert all(c[1][0] and c[1][2] for c in chosen[EXPLORE:EXPLORE + TRY_STEPS])
 
 
+def test_a_try_of_plain_runs_its_steps_as_plain_runs_while_it_leads():
+    """While speculation leads, a try of plain is weighed once (that step, scheduled with
+    draft slots and weighed, is not measured); its TRY_STEPS measured steps are then run
+    before scheduling without weighing (plain_step), as plain's steps are while it leads:
+    weighed and scheduled for drafts, they measured plain 12-20% slower than a plain
+    engine at 64 rows, and speculation kept a lead it did not have."""
+    from batchspec.spec.policy import EXPLORE, TRY_STEPS
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, 3.5, 1.0)       # speculation leads by a little
+    steps = []
+    for _ in range(EXPLORE + TRY_STEPS + 1):
+        if policy.plain_step(seqs, 4):
+            steps.append(("plain_step", policy._chosen[3]))
+        else:
+            lengths = policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+            steps.append((any(lengths), policy._chosen is not None and policy._chosen[3]))
+    assert steps[:EXPLORE - 1] == [(True, False)] * (EXPLORE - 1)
+    assert steps[EXPLORE - 1] == (False, False)              # weighed, not measured
+    assert steps[EXPLORE:] == [("plain_step", True)] * TRY_STEPS + [(True, False)]
+
+
+@pytest.mark.parametrize("step_s,measured", [(0.04, 3), (0.005, 6), (0.001, 12)])
+def test_a_try_measures_at_least_try_min_s(step_s, measured):
+    """A try measures TRY_STEPS steps, and more until they add up to TRY_MIN_S (at most
+    MAX_TRY_STEPS): at 8 rows a step takes 2.5 ms, and three of them on a shared machine
+    told sides 5% apart from each other by chance."""
+    from batchspec.spec.policy import EXPLORE, MAX_TRY_STEPS, TRY_MIN_S, TRY_STEPS
+    assert (TRY_STEPS, MAX_TRY_STEPS) == (3, 12) and TRY_MIN_S == pytest.approx(0.03)
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, 4.5, 1.0)         # plain leads, speculation close behind
+    policy._winner = False
+    sides = []
+    for _ in range(EXPLORE + MAX_TRY_STEPS + 4):
+        sides.append(any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)))
+        if policy._chosen is not None:     # a try's steps take step_s, at 1/4.5 the pace
+            _, tokens, seconds, tried = policy._chosen   # predicted; plain's as predicted
+            policy.observe(step_s, tokens * step_s / seconds / 4.5) if tried else \
+                policy.observe(seconds, tokens)
+    assert sides[:EXPLORE - 1] == [False] * (EXPLORE - 1)
+    assert sides[EXPLORE - 1:EXPLORE + measured + 1] == [True] * (measured + 1) + [False]
+
+
 def test_a_try_of_speculation_drafts_only_for_rows_whose_drafts_are_not_far_behind():
     """While plain leads, a model draft has not seen its rows' latest tokens: a try drafts
     for the rows least behind, within CATCH_UP_PER_ROW tokens per row in all, not for a row
@@ -305,7 +369,7 @@ def test_the_lead_is_weighed_on_every_row_though_a_try_drafts_for_few():
     takes the lead is still weighed on the plan over every row (what it makes once it leads
     and the drafts keep up): weighed on the few rows a try drafts for, speculation at a
     batch of far-behind rows would never look better than plain, and never lead again."""
-    from batchspec.spec.policy import EXPLORE
+    from batchspec.spec.policy import EXPLORE, TRY_STEPS
     # a draft forward costs a quarter of a plain step however many rows it runs: drafting
     # for one row loses, drafting for eight wins
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [0.02] * 3})
@@ -315,10 +379,16 @@ def test_the_lead_is_weighed_on_every_row_though_a_try_drafts_for_few():
     set_slowdowns(policy, 1.0, 1.0)
     policy._winner = False
     rows = [(s, "d", 4, True) for s in seqs]
-    picks = [policy.choose_lengths(rows, 0) for _ in range(EXPLORE)]
-    assert picks[-1][0] > 0 and picks[-1][1:] == [0] * 7  # drafts for the least behind ...
-    assert policy._winner is True                         # ... and speculation leads
-    assert policy.choose_lengths(rows, 0) == [4] * 8
+    picks = []
+    for _ in range(EXPLORE + TRY_STEPS):    # plain, then a try: its steps as predicted
+        picks.append(policy.choose_lengths(rows, 0))
+        if policy._chosen is not None:
+            policy.observe(policy._chosen[2], policy._chosen[1])
+    assert picks[:EXPLORE - 1] == [[0] * 8] * (EXPLORE - 1)
+    assert all(p[0] > 0 and p[1:] == [0] * 7 for p in picks[EXPLORE - 1:])  # drafts for
+    # the least behind ...
+    assert policy.choose_lengths(rows, 0) == [4] * 8      # ... and speculation leads
+    assert policy._winner is True
 
 
 def test_each_mix_of_temperatures_keeps_its_own_measurements_and_lead():
@@ -373,18 +443,83 @@ def test_a_try_that_shows_the_other_side_ahead_hands_it_the_lead():
 
 @pytest.mark.parametrize("spec_slowdown,leads", [(4.0, False), (3.7, True)])
 def test_the_side_behind_takes_the_lead_only_when_clearly_ahead(spec_slowdown, leads):
-    """Plain leads; speculation's corrected rate is 2% above plain's (4.0) or 11% (3.7):
-    within SWITCH_MARGIN it stays behind (sides within noise of each other would trade the
+    """Plain leads; a try measures speculation's corrected rate 2% above plain's (4.0) or
+    11% (3.7): within SWITCH_MARGIN it stays behind (sides within noise of each other would trade the
     lead, each switch costing the drafts' catch-up), beyond it takes the lead."""
-    from batchspec.spec.policy import EXPLORE, SWITCH_MARGIN
+    from batchspec.spec.policy import EXPLORE, SWITCH_MARGIN, TRY_STEPS
     assert 1.02 < SWITCH_MARGIN < 1.11
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
-    set_slowdowns(policy, spec_slowdown, 1.0)
+    set_slowdowns(policy, 4.5, 1.0)            # close behind in its last try
     policy._winner = False
-    for _ in range(EXPLORE):
+    for _ in range(EXPLORE + TRY_STEPS + 1):   # plain steps, then a try of speculation
         policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+        if policy._chosen is not None:     # the try measures spec_slowdown
+            speculate, tokens, seconds, _ = policy._chosen
+            policy.observe(seconds * (spec_slowdown if speculate else 1.0), tokens)
     assert policy._winner is leads
+
+
+def test_the_side_behind_takes_the_lead_only_after_a_try_shows_it_ahead():
+    """Speculation lost a little in its last try (4.5x slower than predicted: 0.91 of
+    plain's rate); since then the machine slowed by a third, which plain's steps measured
+    and speculation's did not. Weighed on those, speculation looks ahead (1.18x); it is
+    tried instead of handed the lead, and a try at the new speed keeps plain in the lead.
+    A try that does show it ahead hands it the lead."""
+    from batchspec.spec.policy import EXPLORE, TRY_STEPS
+
+    def run(spec_slowdown):
+        policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+        seqs = rows_with(policy, 4, "d", 0.9)
+        set_slowdowns(policy, 4.5, 1.3)
+        policy._winner = False
+        picks = []
+        for _ in range(EXPLORE + TRY_STEPS + 1):
+            picks.append(any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)))
+            if policy._chosen is not None:
+                speculate, tokens, seconds, _ = policy._chosen
+                policy.observe(seconds * (spec_slowdown if speculate else 1.3), tokens)
+        return picks, policy._winner
+    plain_first = [False] * (EXPLORE - 1)
+    assert run(4.5 * 1.3) == (plain_first + [True] * (TRY_STEPS + 1) + [False], False)
+    assert run(2.0) == (plain_first + [True] * (TRY_STEPS + 2), True)
+
+
+def test_a_lead_reversed_by_the_first_try_counts_as_exploration():
+    """Plain leads and has held off speculation's tries to every MAX_EXPLORE steps. A try
+    of speculation (which drafts for the rows whose drafts are not behind) shows it 1.17x
+    ahead, so it takes the lead; over every row it makes 0.91x plain's rate, and the first
+    try of plain (EXPLORE steps on: plain looks ahead) hands the lead back. The lead's steps beyond plain's pace count against
+    the tries' budget, and speculation is next tried after MAX_EXPLORE steps, not EXPLORE:
+    otherwise such a lead is taken and lost every few tens of steps."""
+    from batchspec.spec.policy import EXPLORE, MAX_EXPLORE, TRY_STEPS
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, 3.5, 1.0)
+    policy._winner, policy._interval = False, MAX_EXPLORE
+    policy._since = MAX_EXPLORE - 1         # its try is due
+    policy._busy_s = 100.0                  # (the budget holds no try back)
+    sides = []
+    for _ in range(2 * MAX_EXPLORE + EXPLORE):
+        if policy.plain_step(seqs, 4):
+            speculate = False
+        else:
+            speculate = any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0))
+        sides.append(speculate)
+        if policy._chosen is not None:
+            _, tokens, seconds, tried = policy._chosen
+            policy.observe(seconds * (1.0 if not speculate else 3.5 if tried else 4.5),
+                           tokens)
+        else:                     # a step that catches up (not measured): as predicted
+            policy._count_try(0.04, 4)
+    took = sides.index(True) + TRY_STEPS + 1       # the try, then speculation leads ...
+    assert sides[took:took + 2] == [True, True]
+    back = sides.index(False, took)                # ... until the first try of plain
+    later = sides[back:]
+    assert (later.index(True) if True in later else len(later)) >= MAX_EXPLORE  # next
+    # tried MAX_EXPLORE steps on
+    assert policy._winner is False
+    assert policy._explore_s > 0.0                 # its lead's excess was counted
 
 
 def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
@@ -541,7 +676,8 @@ def test_only_adaptive_or_routed_engines_keep_acceptance_estimates(tiny_llama):
     for adaptive in (False, True):
         llm = LLM(tiny_llama, drafts={"default": tiny_llama}, device="cpu",
                   min_acceptance=0.0, adaptive_k=adaptive)
-        llm.engine.policy._winner = adaptive or None   # adaptive: speculation leads
+        llm.engine.policy._winner = adaptive or None   # adaptive: speculation leads ...
+        set_slowdowns(llm.engine.policy, 1.0, 100.0)   # ... far ahead
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert sum(o.stats["total_drafted"] for o in outs) > 0
         assert bool(llm.engine.policy.pooled) is adaptive

@@ -16,7 +16,7 @@ from batchspec.engine.runner import ModelRunner
 from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
 from batchspec.models.loader import load_tokenizer
-from batchspec.spec.policy import SpecPolicy, StepCosts
+from batchspec.spec.policy import PROMPT_TIMED, SpecPolicy, StepCosts
 from batchspec.spec.proposer import DraftModelProposer, NgramProposer
 from batchspec.spec.suffix import SuffixProposer
 from batchspec.spec.verify import VerifyMetadata, verify
@@ -89,13 +89,14 @@ class Engine:
             SuffixProposer(c.suffix_max_tokens, c.suffix_min_prob)
         self.source_label[name] = kind
 
-    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 3,
+    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 5,
                            max_batch: int = 64) -> StepCosts:
         """Time the target over B rows of q = 1..k+1 tokens and each draft over B rows of one
         token (a k-th of k steps where they run in one call, ModelRunner.draft_steps),
         B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
         batches are extrapolated, and the online correction absorbs the error), at a context
-        of ctx_len tokens (fastest of `repeats`; then smoothed, StepCosts.smooth). The KV
+        of ctx_len tokens (fastest of `repeats` rounds in which every shape is timed once;
+        then smoothed, StepCosts.smooth). The KV
         written lands in free blocks and is never read."""
         c = self.config
         k = c.num_speculative_tokens
@@ -108,35 +109,61 @@ class Engine:
         runners = {name: p.runner for name, p in self.proposers.items()
                    if isinstance(p, DraftModelProposer)}
 
-        def seconds(runner, b, q, draft=False):
+        def timed(runner, b, q, draft=False):
+            """A forward of runner over b rows of q tokens, and the steps it counts for."""
             tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
             args = ([[0] * q] * b, [ctx] * b, tables, [q] * b)
-            run, steps = (lambda: runner.forward(*args).sum().item()), 1
             # a draft whose steps run in one C++ call: a step is a k-th of k steps' call
             if draft and runner.steps_in_one_call:
-                run, steps = (lambda: runner.draft_steps(*args[:3], [k] * b)), k
-            run()  # warm-up
-            best = float("inf")
-            for _ in range(repeats):
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize(runner.device)
+                return (lambda: runner.draft_steps(*args[:3], [k] * b)), k
+            return (lambda: runner.forward(*args).sum().item()), 1
+
+        shapes = {("target", q, b): (self.target, b, q, False)
+                  for q in range(1, k + 2) for b in grid}
+        paths = {}
+        for name, runner in runners.items():
+            paths.setdefault(runner.path, (runner, []))[1].append(name)
+        shapes.update({(path, 1, b): (runner, b, 1, True)
+                       for path, (runner, _) in paths.items() for b in grid})
+        runs = {key: timed(*shape) for key, shape in shapes.items()}
+        # the largest batch of one-token rows, and beside it a prompt (its last logit only)
+        b, prompt = grid[-1], min(PROMPT_TIMED, ctx)
+        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
+        tables.append(tables[0])   # (the KV it writes is never read)
+        shapes["prompt"] = (self.target, b + 1, 1, False)
+        runs["prompt"] = ((lambda: self.target.forward(
+            [[0]] * b + [[0] * prompt], [ctx] * b + [0], tables, [1] * (b + 1)).sum().item()),
+            1)
+        self._warm_verification()
+        for run, _ in runs.values():
+            run()   # warm-up
+        # Every shape is timed once a round, round after round, and keeps its fastest: the
+        # machine's speed drifts while this runs, and timing the shapes one after another
+        # put the drift into the costs' slope in q (at 64 rows, 5-token windows were timed
+        # at 1.7x a decode step where steps measured 2.2x), which the online correction, one
+        # factor per side, cannot take out.
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(repeats):
+            for key, (run, steps) in runs.items():
+                device = shapes[key][0].device
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 run()
-                best = min(best, time.perf_counter() - t0)
-            return best / steps
-
-        self._warm_verification()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best[key] = min(best[key], (time.perf_counter() - t0) / steps)
         for q in range(1, k + 2):
-            costs.target[q] = [seconds(self.target, b, q) for b in grid]
-        measured: dict[str, list[float]] = {}
-        for name, runner in runners.items():
-            if runner.path not in measured:
-                measured[runner.path] = [seconds(runner, b, 1, draft=True) for b in grid]
-            costs.draft[name] = list(measured[runner.path])
+            costs.target[q] = [best["target", q, b] for b in grid]
+        for path, (_, names) in paths.items():
+            for name in names:
+                costs.draft[name] = [best[path, 1, b] for b in grid]
+        costs.prompt_token_s = max(0.0, best["prompt"] - best["target", 1, b]) / prompt
         costs.smooth()
-        log.info("step costs (ms) at B=%s: target %s; drafts %s", grid,
+        log.info("step costs (ms) at B=%s: target %s; drafts %s; a prompt token %.4f", grid,
                  {q: [round(1e3 * t, 2) for t in v] for q, v in costs.target.items()},
-                 {n: [round(1e3 * t, 2) for t in v] for n, v in costs.draft.items()})
+                 {n: [round(1e3 * t, 2) for t in v] for n, v in costs.draft.items()},
+                 1e3 * costs.prompt_token_s)
         return costs
 
     def _warm_verification(self) -> None:
@@ -248,10 +275,13 @@ class Engine:
                                        self.config.verify_backend)
         num_accepted = num_accepted.tolist()
         result = self.commit(scheduled, out_ids.tolist(), num_accepted)
-        if chose and all(s.num_new_tokens == 1 for s in scheduled):
-            # decode-only steps (the prediction has no term for prefill chunks): the tokens
-            # the step made, before stop conditions cut any
-            self.policy.observe(time.perf_counter() - t0, len(sampling) + sum(num_accepted))
+        if chose:
+            # the tokens the step made, before stop conditions cut any; its prompt tokens
+            # besides the windows (a row finishing its prompt samples and is in the plan)
+            prompt_rows = len(scheduled) - len(sampling)
+            prompt_tokens = sum(s.num_new_tokens - s.is_sampling for s in scheduled)
+            self.policy.observe(time.perf_counter() - t0, len(sampling) + sum(num_accepted),
+                                prompt_rows, prompt_tokens)
         return result
 
     def propose(self, sampling: list[ScheduledSeq]) -> bool:

@@ -25,9 +25,12 @@ MAX_P = 0.98
 # the lead, and the gap doubles with each try that does not change the lead, up to
 # MAX_EXPLORE: a side that keeps losing costs ever fewer steps. A side whose corrected rate
 # is below TRY_MARGIN of the leader's is tried only every FAR_EXPLORE steps. A try runs
-# TRY_STEPS measured steps (one step's time is noisy on a shared machine); one of
-# speculation runs one more first, unmeasured (see choose_lengths).
+# TRY_STEPS measured steps (one step's time is noisy on a shared machine), and more, up to
+# MAX_TRY_STEPS, until they add up to TRY_MIN_S (three steps of 2.5 ms at 8 rows told
+# sides 5% apart from each other by chance); one more runs first, unmeasured (see
+# choose_lengths).
 EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.8, 3
+TRY_MIN_S, MAX_TRY_STEPS = 0.03, 12
 # Tries are also held to a budget: what they cost beyond the leading side's measured time
 # for the same tokens, summed, stays within this share of all measured steps' time (a try's
 # first step, with the drafts' catch-up, included). At 32 rows and T = 0.8 a try of
@@ -39,6 +42,9 @@ CATCH_UP_PER_ROW = 4
 # The side behind takes the lead only once its corrected rate beats the leader's by this
 # factor.
 SWITCH_MARGIN = 1.05
+# The prompt row timed at start-up (StepCosts.prompt_token_s); steps that run more prompt
+# tokens than twice this are not measured (attention grows with the prompt's square).
+PROMPT_TIMED = 64
 # Plans of at most this many slots are weighed in plain Python (SpecPolicy._plan): at one to
 # four rows numpy's per-call costs were most of a weighing's ~0.1 ms, a step in 25 at one row.
 SMALL_PLAN = 16
@@ -56,10 +62,14 @@ CLASS_PRIOR_ROUNDS = 10
 class StepCosts:
     """Measured seconds of one target forward over B rows of q tokens each (q = 1..k+1), and
     of one forward of each draft over B rows of one token, at a grid of batch sizes;
-    linear in B between grid points (and beyond the last, from the last two)."""
+    linear in B between grid points (and beyond the last, from the last two); and what a
+    prompt token adds to a target forward (a row of PROMPT_TIMED prompt tokens beside the
+    largest batch timed, against that batch alone; a prompt row needs its last position's
+    logits only)."""
     batch_sizes: list[int]
     target: dict[int, list[float]] = field(default_factory=dict)   # q -> seconds per B
     draft: dict[str, list[float]] = field(default_factory=dict)    # draft -> seconds per B
+    prompt_token_s: float = 0.0
     # derived tables, filled on first use (the timings do not change after smooth())
     _per_q: dict = field(default_factory=dict, repr=False)
     _marginal: dict = field(default_factory=dict, repr=False)
@@ -161,6 +171,13 @@ class SpecPolicy:
         self._far = False                   # the side behind was far behind when last weighed
         self._speculated = False            # whether the last step speculated
         self._trying = False                # whether this step is part of a try
+        self._try_measured = 0              # measured steps of the try on (or the last)
+        self._try_s = 0.0                   # and their seconds
+        self._fresh = False                 # a try has just measured all its steps
+        # The lead taken at the last change, until a try of the other side confirms it:
+        # its steps' [seconds, tokens], and the try interval before the change
+        self._unconfirmed: list[float] | None = None
+        self._interval_before = EXPLORE
         # seconds tries cost beyond the leader's time for their tokens; seconds measured
         self._explore_s, self._busy_s = 0.0, 0.0
         # this step's (speculates, predicted tokens, predicted seconds, a try of the side
@@ -322,27 +339,34 @@ class SpecPolicy:
             return [0] * len(rows)
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
-        # While plain leads, a try leaves out the rows whose drafts are far behind (not to
-        # pay their catch-up for a few steps); the lead is still weighed on the plan over
-        # every row, which is what speculation makes once it leads and the drafts keep up.
-        skip = self._behind(rows, num_rows) if self._winner is False else set()
         probs = [self.depth_probs(seq, source, n, classes[i] if classes is not None else None)
                  for i, (seq, source, n, _) in enumerate(rows)]
         full = self._plan(rows, probs, set(), num_rows)
-        plan = self._plan(rows, probs, skip, num_rows) if skip else full
-        spec_n, _, spec_tokens, spec_s, order, row, depth = plan
-        spec_rate = full[1]
-        spec_c, plain_c = spec_rate / self._slowdown(True), plain_rate / self._slowdown(False)
+        spec_n = full[0]
+        spec_c, plain_c = full[1] / self._slowdown(True), plain_rate / self._slowdown(False)
         # the side behind takes the lead only when ahead by SWITCH_MARGIN: sides within
         # noise of each other would otherwise trade it back and forth, and each switch to
         # speculation costs the drafts' catch-up
         margin = SWITCH_MARGIN if self._winner is not None else 1.0
         speculate = spec_n > 0 and (spec_c > plain_c * margin if not self._winner
                                     else spec_c * margin > plain_c)
-        if speculate != self._winner:    # the other side leads now (a try, if one was on,
-            # has shown it): explore the side behind soon again
-            self._winner, self._interval, self._since = speculate, EXPLORE, 0
-            self._try_left = 0
+        fresh, self._fresh = self._fresh, False
+        ahead = False      # the side behind looks ahead, but on measurements not fresh
+        if speculate != self._winner:
+            if self._winner is None or fresh or not spec_n:  # a try has just shown it (or
+                # no plan speculates): it leads now, and the side behind is explored soon,
+                # unless it has just lost the lead it took at the last change
+                self._switch(speculate, fresh)
+            else:
+                # The side behind was measured in its last try, the leader in every step
+                # since: on a machine whose speed drifts (10-30% within seconds on a
+                # shared VM) the two were measured at different speeds. It is tried now
+                # (EXPLORE steps after the last try or change at the soonest), and takes
+                # the lead only if the try shows it ahead.
+                speculate = self._winner
+                ahead = not self._try_left and self._since + 1 >= EXPLORE
+        elif fresh:     # a try has confirmed the lead
+            self._unconfirmed = None
         self._since += 1
         # a side far behind is tried only every FAR_EXPLORE steps (each try of speculation
         # also costs the drafts' catch-up); one never measured is not known to be
@@ -352,12 +376,20 @@ class SpecPolicy:
         if self._try_left and spec_n:    # a try goes on
             speculate = not self._winner
             self._try_left -= 1
-        elif spec_n and self._since >= (self._interval if close else FAR_EXPLORE) and \
-                self._may_explore():
+        elif spec_n and (ahead or self._since >= (self._interval if close else FAR_EXPLORE)) \
+                and self._may_explore():
             speculate = not speculate
             self._since = 0
             self._interval = min(2 * self._interval, MAX_EXPLORE)
-            self._try_left = TRY_STEPS - 1 + int(speculate)
+            self._try_left = TRY_STEPS
+            self._try_measured, self._try_s = 0, 0.0
+        # While plain leads, a try leaves out the rows whose drafts are far behind (not to
+        # pay their catch-up for a few steps); the lead is still weighed on the plan over
+        # every row (above), which is what speculation makes once it leads and the drafts
+        # keep up.
+        skip = self._behind(rows, num_rows) if self._winner is False and speculate else set()
+        plan = self._plan(rows, probs, skip, num_rows) if skip else full
+        spec_n, _, spec_tokens, spec_s, order, row, depth = plan
         n = spec_n if speculate else 0
         lengths = [0] * len(rows)
         for j in order[:n]:
@@ -365,9 +397,11 @@ class SpecPolicy:
         # A speculating step right after plain ones also brings the drafts' caches up to
         # date on every token of the plain steps: a cost of switching, not of speculating,
         # so it is not measured (later steps are, a new row's prompt caught up included).
-        warm_up = speculate and not self._speculated
-        self._speculated = speculate
+        # Nor is a try's first plain step: it was weighed, scheduled with draft slots and
+        # drafted for by lookups, as the try's later steps (plain_step) are not.
         tried = self._trying = speculate != self._winner
+        warm_up = speculate != self._speculated and (speculate or tried)
+        self._speculated = speculate
         self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
             else (False, num_rows, plain_s, tried)
         return lengths
@@ -392,16 +426,20 @@ class SpecPolicy:
         a few percent of a run that stays plain (about 1 ms a weighing at batch size 8).
         mix: mix_of(seqs), where the caller keeps it."""
         self._use_mix(self.mix_of(seqs) if mix is None else mix)
-        step = self._since + 1   # (every interval is a multiple of EXPLORE)
-        due = FAR_EXPLORE if self._far else self._interval
-        if self._winner is not False or self._try_left or \
-                (not step % EXPLORE and (lookups or not step % MAX_EXPLORE or
-                                         (step >= due and self._may_explore()))):
-            return False
+        tried = self._winner is True and self._try_left > 0 and not self._speculated
+        if tried:   # a try of plain goes on: its steps run as they do while plain leads
+            self._try_left -= 1
+        else:
+            step = self._since + 1   # (every interval is a multiple of EXPLORE)
+            due = FAR_EXPLORE if self._far else self._interval
+            if self._winner is not False or self._try_left or self._fresh or \
+                    (not step % EXPLORE and (lookups or not step % MAX_EXPLORE or
+                                             (step >= due and self._may_explore()))):
+                return False
         self._since += 1
-        self._speculated = self._trying = False
+        self._speculated, self._trying = False, tried
         self._chosen = (False, num_rows, max(self.costs.target_tokens_s(num_rows, num_rows),
-                                             1e-12), False)
+                                             1e-12), tried)
         return True
 
     def _plan(self, rows: list[tuple[Sequence, str, int, bool]], probs: list[list[float]],
@@ -477,6 +515,7 @@ class SpecPolicy:
                 self._far = self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0, False))
             self._try_left = 0
             self._chosen = None
+            self._unconfirmed = None
         self._mix = mix
 
     def _may_explore(self) -> bool:
@@ -515,43 +554,89 @@ class SpecPolicy:
         pred_tokens, pred_s, tokens, seconds = m
         return (pred_tokens / pred_s) / (tokens / seconds)
 
+    def _switch(self, speculate: bool, fresh: bool) -> None:
+        """Hand the lead to `speculate`'s side. A lead of speculation that the first try of
+        plain reverses was exploration too: its steps' seconds beyond plain's measured pace
+        count against EXPLORE_BUDGET, and speculation is next tried at the interval it had
+        before it took the lead, doubled. A try of speculation while plain
+        leads drafts only for some rows (_behind), and the plan over every row it is weighed
+        on can do worse than the try measured; without this, speculation at 64 rows and
+        T = 0.8 took the lead and lost it every 20-30 steps."""
+        reversed_ = fresh and self._unconfirmed is not None
+        if reversed_:
+            lead_s, lead_tokens = self._unconfirmed
+            pace = self.measured.get(speculate)
+            if pace is not None and lead_tokens:
+                self._explore_s += max(0.0, lead_s - lead_tokens * pace[3] / pace[2])
+        interval = min(2 * self._interval_before, MAX_EXPLORE) if reversed_ else EXPLORE
+        self._interval_before = self._interval
+        self._winner, self._interval, self._since = speculate, interval, 0
+        self._try_left = 0
+        self._unconfirmed = [0.0, 0] if speculate else None
+        # The new leader's averages restart from its steps as leader (a try of speculation
+        # may have drafted for a few rows only); the first step of speculation's lead, in
+        # which the rows the try left out catch up, is a cost of switching, not measured.
+        self.observed[speculate] = 0
+        if speculate:
+            self._speculated = False
+
     def _count_try(self, seconds: float, tokens: int) -> None:
         """Add a measured step's seconds to the time measured and, for a step of a try
         (its first, unmeasured step too), what it took beyond the leading side's measured
-        seconds per token for its tokens to what tries have cost (EXPLORE_BUDGET)."""
+        seconds per token for its tokens to what tries have cost (EXPLORE_BUDGET); a step
+        of a lead not yet confirmed adds to that lead's account (_switch)."""
         if not 0.0 < seconds < 10.0:   # (a pause of the process says nothing)
             return
         self._busy_s += seconds
         lead = self.measured.get(bool(self._winner)) if self._winner is not None else None
         if self._trying and lead is not None and tokens:
             self._explore_s = max(0.0, self._explore_s + seconds - tokens * lead[3] / lead[2])
+        elif not self._trying and self._unconfirmed is not None:
+            self._unconfirmed[0] += seconds
+            self._unconfirmed[1] += tokens
 
-    def observe(self, seconds: float, tokens: int, weight: float = 0.1,
-                try_weight: float = 0.3) -> None:
+    def observe(self, seconds: float, tokens: int, prompt_rows: int = 0,
+                prompt_tokens: int = 0, weight: float = 0.1) -> None:
         """Fold the measured time and tokens of the step whose lengths choose_lengths chose
-        into its side's averages: plain means over its first 1/weight steps, EMAs after, in
-        which a try of the side that does not lead weighs try_weight (its averages are
-        older, and it is tried ever more rarely). A step more than 10x off the prediction (a
-        one-time build, a pause of the process) is left out, and a step of the leading side
-        counts at most twice (or half) its side's measured / predicted time, so that a
-        burst of load on a busy machine moves it by at most a tenth. A load that changes is
-        seen by the side that runs, and the other one's next try brings it up to date."""
+        into its side's averages. A step that also ran prompt tokens (prompt_tokens, of
+        which prompt_rows rows ran nothing else; a row that samples its first token counts
+        in the plan) has their cost added to its prediction (StepCosts.prompt_token_s); one
+        with over 2 * PROMPT_TIMED of them is not measured. With speculation at 64 rows,
+        rows finish at staggered steps and four steps in five admit a new row: measuring
+        decode-only steps alone left the leading side unmeasured for hundreds of steps. The leading side's: means over its first 1/weight steps,
+        EMAs after; a step of it counts at most twice (or half) its side's measured /
+        predicted time, so that a burst of load on a busy machine moves it by at most a
+        tenth. A try of the side behind replaces that side's averages by the means of the
+        try's own steps: what it measured in its last try, often hundreds of steps ago, was
+        measured at another speed of the machine, and once the try has measured its
+        TRY_STEPS steps the two sides are weighed on measurements of the same stretch. A
+        step more than 10x off the prediction (a one-time build, a pause of the process) is
+        left out."""
         self._count_try(seconds, tokens)
         if self._chosen is None:
             return
         speculate, pred_tokens, pred_s, tried = self._chosen
         self._chosen = None
+        if prompt_tokens:
+            if prompt_tokens > 2 * PROMPT_TIMED:
+                return
+            pred_s += prompt_tokens * self.costs.prompt_token_s
         if not pred_s or not seconds or not tokens or \
                 not 0.1 <= (pred_tokens / pred_s) / (tokens / seconds) <= 10.0:
             return
         n = self.observed[speculate] = self.observed.get(speculate, 0) + 1
-        m = self.measured.get(speculate)
-        if m is None:
-            self.measured[speculate] = [pred_tokens, pred_s, tokens, seconds]
-            return
-        if not tried:
+        m = self.measured.setdefault(speculate, [pred_tokens, pred_s, tokens, seconds])
+        if tried:
+            self._try_measured += 1
+            self._try_s += seconds
+            self._fresh = self._try_measured >= MAX_TRY_STEPS or \
+                (self._try_measured >= TRY_STEPS and self._try_s >= TRY_MIN_S)
+            if not self._fresh and not self._try_left:
+                self._try_left = 1          # the try goes on
+            w = 1 / self._try_measured
+        else:
             usual = m[3] / m[1] * pred_s       # this step's time at the side's usual ratio
             seconds = min(max(seconds, usual / 2), usual * 2)
-        w = max(try_weight if tried else weight, 1 / n)
+            w = max(weight, 1 / n)
         for i, v in enumerate((pred_tokens, pred_s, tokens, seconds)):
             m[i] += w * (v - m[i])
