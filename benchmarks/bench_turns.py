@@ -6,6 +6,10 @@ ratios is what each way of taking turns adds (docs/benchmarks.md).
 
     python benchmarks/bench_turns.py --batch-size 32 --temperature 0.8 --num-prompts 256
     python benchmarks/bench_turns.py --methods plain,spec-adaptive --turns steps --repeats 4
+
+With --trace (step by step, the second method adaptive), each round also prints the second
+engine's stretches of plain steps, speculating steps and tries, each with both engines'
+tokens/s over the same turns: where a ratio below 1 comes from.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec.config import default_dtype  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
+from batchspec.llm import freeze_heap  # noqa: E402
 from batchspec.tools import hfref  # noqa: E402
 from batchspec.tools.bench import METHODS, make_llm, run_engine, run_engines_in_turns  # noqa: E402
 from batchspec.tools.evaluate import load_prompts  # noqa: E402
@@ -35,6 +40,8 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--trace", action="store_true",
+                    help="print each round's stretches of the second engine's steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     models = demo_models()
@@ -51,18 +58,58 @@ def main():
             for name, m in zip(("a", "b"), methods)}
     for llm in llms.values():
         run_engine(llm, ids[:args.batch_size], **kw)
+    freeze_heap()
     print(f"{methods[1]} over {methods[0]}, B={args.batch_size} T={args.temperature}, "
           f"{len(ids)} prompts, {args.repeats} rounds")
     for turns in ("runs", "steps") if args.turns == "both" else (args.turns,):
         ratios = []
         for _ in range(args.repeats):
-            res = run_engines_in_turns(llms, ids, **kw) if turns == "steps" else \
+            steps = []
+            res = run_engines_in_turns(llms, ids, **kw, on_step=lambda *a, steps=steps:
+                                       steps.append((*a, _side(llms["b"])))) \
+                if turns == "steps" else \
                 {name: run_engine(llm, ids, **kw) for name, llm in llms.items()}
             tok_s = {name: r["tokens"] / r["wall_s"] for name, r in res.items()}
             ratios.append(tok_s["b"] / tok_s["a"])
+            if args.trace and steps:
+                print(f"round {len(ratios)}: {ratios[-1]:.3f}")
+                print_stretches(steps)
         print(f"turns {turns}: ratios {' '.join(f'{r:.3f}' for r in ratios)}; "
               f"median {statistics.median(ratios):.3f}, spread {min(ratios):.3f}-"
               f"{max(ratios):.3f}")
+
+
+def _side(llm):
+    """(speculated, part of a try, speculation leads) after the engine's last step."""
+    p = llm.engine.policy
+    return p._speculated, p._trying, p._winner
+
+
+def print_stretches(steps):
+    """Stretches of turns in which the second engine ("b") kept one side, each with both
+    engines' tokens/s over the stretch's turns (the turns both stepped in)."""
+    by_turn = {}
+    for turn, name, seconds, tokens, side in steps:
+        by_turn.setdefault(turn, {})[name] = (seconds, tokens, side)
+    stretches = []
+    for turn in sorted(by_turn):
+        if "b" not in by_turn[turn]:
+            continue
+        side = by_turn[turn]["b"][2]
+        if stretches and stretches[-1][0] == side[:2]:
+            stretches[-1][1].append(turn)
+        else:
+            stretches.append((side[:2], [turn]))
+    for (speculated, trying), turns in stretches:
+        rate = {}
+        for name in ("a", "b"):
+            both = [by_turn[t][name] for t in turns if "a" in by_turn[t]]
+            seconds = sum(x[0] for x in both)
+            rate[name] = sum(x[1] for x in both) / seconds if seconds else 0.0
+        kind = ("try of " if trying else "") + ("speculation" if speculated else "plain")
+        ratio = f"{rate['b'] / rate['a']:.3f}" if rate["a"] else "-"
+        print(f"  turns {turns[0]:4d}-{turns[-1]:4d} {kind:22s} b {rate['b']:7.0f} tok/s, "
+              f"a {rate['a']:7.0f} tok/s, b/a {ratio}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import click
 import torch
 
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
+from batchspec.llm import freeze_heap
 from batchspec.tools import hfref
 from batchspec.tools.evaluate import load_prompts
 
@@ -103,13 +104,14 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0):
     return _engine_result(outs, time.perf_counter() - t0)
 
 
-def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0):
+def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0,
+                        on_step=None):
     """One run of each engine method ({method: LLM}) over the same prompts, the engines
     taking turns step by step: each takes one step, then the next, the first of each turn
     rotating. A method's time is the sum of its own steps' times, so a stretch in which a
     shared machine runs slower (seconds long, up to 3x on a 2-core VM) lands on every method
-    alike, where whole runs in turns leave it to whichever method ran then. Returns
-    run_engine's result per method."""
+    alike, where whole runs in turns leave it to whichever method ran then. on_step(turn,
+    method, seconds, tokens) follows every step. Returns run_engine's result per method."""
     params = _params(temperature, top_p, max_tokens)
     seqs, spent = {}, dict.fromkeys(llms, 0.0)
     for method, llm in llms.items():
@@ -121,8 +123,11 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
             first = turn % len(live)
             for method in live[first:] + live[:first]:
                 t0 = time.perf_counter()
-                llms[method].step()
-                spent[method] += time.perf_counter() - t0
+                _, tokens = llms[method].step()
+                seconds = time.perf_counter() - t0
+                spent[method] += seconds
+                if on_step is not None:
+                    on_step(turn, method, seconds, tokens)
             turn += 1
             live = [m for m in live if llms[m].engine.has_unfinished()]
     finally:   # interrupted: leave every engine clean, as LLM.generate does
@@ -311,8 +316,10 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
         # the first prompts of one pool: a larger batch's cell runs a superset of a smaller's
         prompt_ids, domains = all_ids[:cell_size(b)], all_domains[:cell_size(b)]
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
+        llms = None      # (the last cell's engines go before this cell's load)
         llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(), dtype)
                 for m in cell_methods if m not in ("hf", "hf-assisted")}
+        freeze_heap()    # a full collection's pause lands on whichever method allocated
         for t in temperatures:
             runs = {}
             for method in cell_methods:
