@@ -177,10 +177,10 @@ def test_a_step_that_also_runs_a_prompt_is_measured_with_the_prompt_predicted():
     seqs = rows_with(policy, 4, "d", 0.9)
     policy._winner = False
     assert policy.plain_step(seqs, 4)                  # 4 rows of one token: 4 ms
-    policy.observe(0.004 + 0.007, 4, prompt_rows=1, prompt_tokens=7)   # and a prompt of 7
+    policy.observe(0.004 + 0.007, 4, prompt_tokens=7)   # and a prompt of 7
     assert policy._slowdown(False) == pytest.approx(1.0)
     assert policy.plain_step(seqs, 4)
-    policy.observe(1.0, 4, prompt_rows=1, prompt_tokens=2 * PROMPT_TIMED + 1)
+    policy.observe(1.0, 4, prompt_tokens=2 * PROMPT_TIMED + 1)
     assert policy.observed[False] == 1 and policy._slowdown(False) == pytest.approx(1.0)
 
 
@@ -483,6 +483,28 @@ def test_the_side_behind_takes_the_lead_only_after_a_try_shows_it_ahead():
     plain_first = [False] * (EXPLORE - 1)
     assert run(4.5 * 1.3) == (plain_first + [True] * (TRY_STEPS + 1) + [False], False)
     assert run(2.0) == (plain_first + [True] * (TRY_STEPS + 2), True)
+
+
+def test_a_try_that_ends_as_the_mix_changes_hands_no_lead_over():
+    """A try of speculation at T = 0.8 measures its steps and ends just as the batch's mix
+    of temperatures changes: the next weighing is the new mix's, on that mix's own (older)
+    measurements, and must not take them as a try's fresh ones and switch on them."""
+    from batchspec.spec.policy import EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    greedy = rows_with(policy, 4, "d", 0.9)
+    sampled = rows_with(policy, 4, "d", 0.9)
+    for seq in sampled:
+        seq.params = SamplingParams(temperature=0.8)
+    policy._use_mix(policy.mix_of(greedy))
+    set_slowdowns(policy, 3.5, 1.0)        # T = 0: speculation leads, plain 1.17x behind
+    policy._winner = True
+    policy._use_mix(policy.mix_of(sampled))
+    policy._fresh = True                   # a try at T = 0.8 has just measured its steps
+    policy._use_mix(policy.mix_of(greedy))
+    set_slowdowns(policy, 4.5, 1.0)        # older measurements: plain now looks ahead
+    for _ in range(EXPLORE - 1):
+        policy.choose_lengths([(s, "d", 4, True) for s in greedy], 0)
+        assert policy._winner is True      # a try of plain first, not a switch
 
 
 def test_a_lead_reversed_by_the_first_try_counts_as_exploration():

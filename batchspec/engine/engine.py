@@ -95,9 +95,10 @@ class Engine:
         token (a k-th of k steps where they run in one call, ModelRunner.draft_steps),
         B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
         batches are extrapolated, and the online correction absorbs the error), at a context
-        of ctx_len tokens (fastest of `repeats` rounds in which every shape is timed once;
-        then smoothed, StepCosts.smooth). The KV
-        written lands in free blocks and is never read."""
+        of ctx_len tokens, and what a prompt of PROMPT_TIMED tokens adds beside the largest
+        batch: the fastest of `repeats` rounds in which every shape is timed once, then
+        smoothed (StepCosts.smooth). The KV written lands in free blocks and is never
+        read."""
         c = self.config
         k = c.num_speculative_tokens
         ctx = max(1, min(ctx_len, self.max_model_len - k - 1))
@@ -109,33 +110,31 @@ class Engine:
         runners = {name: p.runner for name, p in self.proposers.items()
                    if isinstance(p, DraftModelProposer)}
 
+        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(max_b)]
+
         def timed(runner, b, q, draft=False):
-            """A forward of runner over b rows of q tokens, and the steps it counts for."""
-            tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
-            args = ([[0] * q] * b, [ctx] * b, tables, [q] * b)
+            """(a forward of runner over b rows of q tokens, the steps it counts for, the
+            device to synchronise)."""
+            args = ([[0] * q] * b, [ctx] * b, tables[:b], [q] * b)
             # a draft whose steps run in one C++ call: a step is a k-th of k steps' call
             if draft and runner.steps_in_one_call:
-                return (lambda: runner.draft_steps(*args[:3], [k] * b)), k
-            return (lambda: runner.forward(*args).sum().item()), 1
+                return (lambda: runner.draft_steps(*args[:3], [k] * b)), k, runner.device
+            return (lambda: runner.forward(*args).sum().item()), 1, runner.device
 
-        shapes = {("target", q, b): (self.target, b, q, False)
-                  for q in range(1, k + 2) for b in grid}
-        paths = {}
+        runs = {("target", q, b): timed(self.target, b, q) for q in range(1, k + 2) for b in grid}
+        paths: dict[str, list[str]] = {}    # draft path -> the drafts that load it
         for name, runner in runners.items():
-            paths.setdefault(runner.path, (runner, []))[1].append(name)
-        shapes.update({(path, 1, b): (runner, b, 1, True)
-                       for path, (runner, _) in paths.items() for b in grid})
-        runs = {key: timed(*shape) for key, shape in shapes.items()}
-        # the largest batch of one-token rows, and beside it a prompt (its last logit only)
-        b, prompt = grid[-1], min(PROMPT_TIMED, ctx)
-        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
-        tables.append(tables[0])   # (the KV it writes is never read)
-        shapes["prompt"] = (self.target, b + 1, 1, False)
+            if runner.path not in paths:
+                runs.update({(runner.path, b): timed(runner, b, 1, draft=True) for b in grid})
+            paths.setdefault(runner.path, []).append(name)
+        # the largest batch of one-token rows and, beside it, a prompt of its last logit only
+        # (its table is the first row's: the KV it writes is never read)
+        prompt = min(PROMPT_TIMED, ctx)
         runs["prompt"] = ((lambda: self.target.forward(
-            [[0]] * b + [[0] * prompt], [ctx] * b + [0], tables, [1] * (b + 1)).sum().item()),
-            1)
+            [[0]] * max_b + [[0] * prompt], [ctx] * max_b + [0], tables + tables[:1],
+            [1] * (max_b + 1)).sum().item()), 1, self.target.device)
         self._warm_verification()
-        for run, _ in runs.values():
+        for run, _, _ in runs.values():
             run()   # warm-up
         # Every shape is timed once a round, round after round, and keeps its fastest: the
         # machine's speed drifts while this runs, and timing the shapes one after another
@@ -144,8 +143,7 @@ class Engine:
         # factor per side, cannot take out.
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(repeats):
-            for key, (run, steps) in runs.items():
-                device = shapes[key][0].device
+            for key, (run, steps, device) in runs.items():
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
@@ -155,10 +153,10 @@ class Engine:
                 best[key] = min(best[key], (time.perf_counter() - t0) / steps)
         for q in range(1, k + 2):
             costs.target[q] = [best["target", q, b] for b in grid]
-        for path, (_, names) in paths.items():
+        for path, names in paths.items():
             for name in names:
-                costs.draft[name] = [best[path, 1, b] for b in grid]
-        costs.prompt_token_s = max(0.0, best["prompt"] - best["target", 1, b]) / prompt
+                costs.draft[name] = [best[path, b] for b in grid]
+        costs.prompt_token_s = max(0.0, best["prompt"] - best["target", 1, max_b]) / prompt
         costs.smooth()
         log.info("step costs (ms) at B=%s: target %s; drafts %s; a prompt token %.4f", grid,
                  {q: [round(1e3 * t, 2) for t in v] for q, v in costs.target.items()},
@@ -278,10 +276,8 @@ class Engine:
         if chose:
             # the tokens the step made, before stop conditions cut any; its prompt tokens
             # besides the windows (a row finishing its prompt samples and is in the plan)
-            prompt_rows = len(scheduled) - len(sampling)
-            prompt_tokens = sum(s.num_new_tokens - s.is_sampling for s in scheduled)
             self.policy.observe(time.perf_counter() - t0, len(sampling) + sum(num_accepted),
-                                prompt_rows, prompt_tokens)
+                                sum(s.num_new_tokens - s.is_sampling for s in scheduled))
         return result
 
     def propose(self, sampling: list[ScheduledSeq]) -> bool:

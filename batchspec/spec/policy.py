@@ -174,8 +174,8 @@ class SpecPolicy:
         self._try_measured = 0              # measured steps of the try on (or the last)
         self._try_s = 0.0                   # and their seconds
         self._fresh = False                 # a try has just measured all its steps
-        # The lead taken at the last change, until a try of the other side confirms it:
-        # its steps' [seconds, tokens], and the try interval before the change
+        # a lead of speculation not yet confirmed by a try of plain: its steps' [seconds,
+        # tokens]; and the try interval the side behind had before the last change (_switch)
         self._unconfirmed: list[float] | None = None
         self._interval_before = EXPLORE
         # seconds tries cost beyond the leader's time for their tokens; seconds measured
@@ -513,7 +513,8 @@ class SpecPolicy:
                 del self._mixes[next(iter(self._mixes))]
             self.measured, self.observed, self._winner, self._interval, self._since, \
                 self._far = self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0, False))
-            self._try_left = 0
+            # a try of the mix left, ended or not, says nothing of this one's lead
+            self._try_left, self._fresh, self._trying = 0, False, False
             self._chosen = None
             self._unconfirmed = None
         self._mix = mix
@@ -595,23 +596,26 @@ class SpecPolicy:
             self._unconfirmed[0] += seconds
             self._unconfirmed[1] += tokens
 
-    def observe(self, seconds: float, tokens: int, prompt_rows: int = 0,
-                prompt_tokens: int = 0, weight: float = 0.1) -> None:
+    def observe(self, seconds: float, tokens: int, prompt_tokens: int = 0,
+                weight: float = 0.1) -> None:
         """Fold the measured time and tokens of the step whose lengths choose_lengths chose
-        into its side's averages. A step that also ran prompt tokens (prompt_tokens, of
-        which prompt_rows rows ran nothing else; a row that samples its first token counts
-        in the plan) has their cost added to its prediction (StepCosts.prompt_token_s); one
-        with over 2 * PROMPT_TIMED of them is not measured. With speculation at 64 rows,
-        rows finish at staggered steps and four steps in five admit a new row: measuring
-        decode-only steps alone left the leading side unmeasured for hundreds of steps. The leading side's: means over its first 1/weight steps,
-        EMAs after; a step of it counts at most twice (or half) its side's measured /
-        predicted time, so that a burst of load on a busy machine moves it by at most a
-        tenth. A try of the side behind replaces that side's averages by the means of the
-        try's own steps: what it measured in its last try, often hundreds of steps ago, was
-        measured at another speed of the machine, and once the try has measured its
-        TRY_STEPS steps the two sides are weighed on measurements of the same stretch. A
-        step more than 10x off the prediction (a one-time build, a pause of the process) is
-        left out."""
+        into its side's averages.
+
+        The leading side's: means over its first 1/weight steps, EMAs after; a step of it
+        counts at most twice (or half) its side's measured / predicted time, so that a
+        burst of load on a busy machine moves it by at most a tenth. A try of the side
+        behind replaces that side's averages by the means of the try's own steps: what it
+        measured in its last try, often hundreds of steps ago, was measured at another
+        speed of the machine, and once the try has measured its steps the two sides are
+        weighed on measurements of the same stretch.
+
+        A step that also ran prompt tokens beside the plan's rows (prompt_tokens; a row
+        that samples its first token counts in the plan with one) has their cost added to
+        its prediction (StepCosts.prompt_token_s); one with over 2 * PROMPT_TIMED of them
+        is not measured. With speculation at 64 rows, rows finish at staggered steps and
+        four steps in five admit a new row: measuring decode-only steps alone left the
+        leading side unmeasured for hundreds of steps. A step more than 10x off the
+        prediction (a one-time build, a pause of the process) is left out."""
         self._count_try(seconds, tokens)
         if self._chosen is None:
             return
