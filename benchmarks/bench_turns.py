@@ -1,6 +1,7 @@
 """How much of a side-by-side ratio is the machine: two engines on the demo models, over the
-same prompts, timed as whole runs in turns and step by step in turns (what `batchspec bench
---turns runs|steps` does), each round's ratio second / first. Two engines of one method
+same prompts, timed as whole runs in turns and in slices of steps in turns (what `batchspec
+bench --turns runs|steps` does; --slice-ms 0: one step a turn), each round's ratio second /
+first. Two engines of one method
 (the default, plain against plain) have a true ratio of 1: the spread of the per-round
 ratios is what each way of taking turns adds (docs/benchmarks.md).
 
@@ -10,6 +11,13 @@ ratios is what each way of taking turns adds (docs/benchmarks.md).
 With --trace (step by step, the second method adaptive), each round also prints the second
 engine's stretches of plain steps, speculating steps and tries, each with both engines'
 tokens/s over the same turns: where a ratio below 1 comes from.
+
+With --interleave, what one engine's step costs right after other engines' steps, against
+back to back (why the bench takes turns in slices of steps, and keeps engines whose job is
+done stepping): the first method's steps in alternating blocks of 8, back to back, then each
+right after one step of each other method (two or more), their medians printed.
+
+    python benchmarks/bench_turns.py --interleave --methods plain,suffix,spec-domain,spec-adaptive --temperature 0
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -25,7 +34,14 @@ from batchspec.config import default_dtype  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
 from batchspec.llm import freeze_heap  # noqa: E402
 from batchspec.tools import hfref  # noqa: E402
-from batchspec.tools.bench import METHODS, make_llm, run_engine, run_engines_in_turns  # noqa: E402
+from batchspec.tools.bench import (  # noqa: E402
+    METHODS,
+    SLICE_S,
+    _params,
+    make_llm,
+    run_engine,
+    run_engines_in_turns,
+)
 from batchspec.tools.evaluate import load_prompts  # noqa: E402
 
 
@@ -40,8 +56,13 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--slice-ms", type=float, default=SLICE_S * 1000,
+                    help="step by step: how long each engine steps in a turn (0: one step)")
     ap.add_argument("--trace", action="store_true",
                     help="print each round's stretches of the second engine's steps")
+    ap.add_argument("--interleave", action="store_true",
+                    help="the first method's step back to back against right after the "
+                    "others' (--methods: two or more)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     models = demo_models()
@@ -52,20 +73,24 @@ def main():
               max_tokens=args.max_tokens)
     dtype = default_dtype(models["target"], "cpu")
     methods = args.methods.split(",")
-    if len(methods) != 2 or not set(methods) <= set(METHODS) - {"hf", "hf-assisted"}:
-        ap.error(f"--methods: two of {', '.join(METHODS[2:])}")
+    if not (len(methods) == 2 or args.interleave and len(methods) > 2) or \
+            not set(methods) <= set(METHODS) - {"hf", "hf-assisted"}:
+        ap.error(f"--methods: two (--interleave: two or more) of {', '.join(METHODS[2:])}")
     llms = {name: make_llm(m, models, args.batch_size, 4, 0, 0.0, 1, dtype)
-            for name, m in zip(("a", "b"), methods)}
+            for name, m in zip("abcdefghij", methods)}
     for llm in llms.values():
         run_engine(llm, ids[:args.batch_size], **kw)
     freeze_heap()
+    if args.interleave:
+        return interleave(llms, methods, ids, kw, args)
     print(f"{methods[1]} over {methods[0]}, B={args.batch_size} T={args.temperature}, "
           f"{len(ids)} prompts, {args.repeats} rounds")
     for turns in ("runs", "steps") if args.turns == "both" else (args.turns,):
         ratios = []
         for _ in range(args.repeats):
             steps = []
-            res = run_engines_in_turns(llms, ids, **kw, on_step=lambda *a, steps=steps:
+            res = run_engines_in_turns(llms, ids, **kw, slice_s=args.slice_ms / 1000,
+                                       on_step=lambda *a, steps=steps:
                                        steps.append((*a, _side(llms["b"])))) \
                 if turns == "steps" else \
                 {name: run_engine(llm, ids, **kw) for name, llm in llms.items()}
@@ -79,6 +104,36 @@ def main():
               f"{max(ratios):.3f}")
 
 
+def interleave(llms, methods, ids, kw, args, blocks=60):
+    """The first engine's steps in alternating blocks of 8: back to back, then each right
+    after one step of every other engine (an engine whose job is done starts it again)."""
+    params = _params(args.temperature, 1.0, args.max_tokens)
+    first, *others = llms.values()
+    for llm in llms.values():
+        llm.add_requests(ids, params, kw["domains"])
+    times = {"back to back": [], "after the others": []}
+    for block in range(blocks):
+        for _ in range(8):
+            if block % 2:
+                for llm in others:
+                    if not llm.engine.has_unfinished():
+                        llm.add_requests(ids, params, kw["domains"])
+                    llm.step()
+            if not first.engine.has_unfinished():
+                first.add_requests(ids, params, kw["domains"])
+            t0 = time.perf_counter()
+            first.step()
+            times["after the others" if block % 2 else "back to back"].append(
+                time.perf_counter() - t0)
+    for llm in llms.values():
+        llm.engine.abort_all()
+    alone, after = (statistics.median(v) * 1e3 for v in times.values())
+    print(f"{methods[0]} step at B={args.batch_size}, T={args.temperature}, between "
+          f"{'+'.join(methods[1:])}: back to back {alone:.2f} ms, after the others "
+          f"{after:.2f} ms (x{after / alone:.2f}); medians of {len(times['back to back'])} "
+          "steps each")
+
+
 def _side(llm):
     """(speculated, part of a try, speculation leads) after the engine's last step."""
     p = llm.engine.policy
@@ -88,9 +143,10 @@ def _side(llm):
 def print_stretches(steps):
     """Stretches of turns in which the second engine ("b") kept one side, each with both
     engines' tokens/s over the stretch's turns (the turns both stepped in)."""
-    by_turn = {}
+    by_turn = {}   # turn: {engine: (seconds, tokens, side after its last step of the turn)}
     for turn, name, seconds, tokens, side in steps:
-        by_turn.setdefault(turn, {})[name] = (seconds, tokens, side)
+        s0, t0, _ = by_turn.setdefault(turn, {}).get(name, (0.0, 0, None))
+        by_turn[turn][name] = (s0 + seconds, t0 + tokens, side)
     stretches = []
     for turn in sorted(by_turn):
         if "b" not in by_turn[turn]:

@@ -162,8 +162,10 @@ def test_bench_pairs_each_rounds_runs_for_its_ratios():
 
 
 def test_bench_engines_take_turns_step_by_step(tiny_llama, tiny_draft):
-    """--turns steps: the engines of a round step in turns, the first of each turn rotating,
-    each charged its own steps' time; their outputs and counts are those of whole runs."""
+    """--turns steps: the engines of a round take turns, the first of each turn rotating, each
+    charged its own steps' time; an engine whose job is done keeps stepping, untimed, until
+    the last is done; a slice runs an engine's steps back to back. Outputs and counts are
+    those of whole runs."""
     pytest.importorskip("batchspec.spec.verify")
     from batchspec.tools.bench import make_llm, run_engine, run_engines_in_turns
     models = {"target": tiny_llama, "draft": tiny_llama, "draft-code": tiny_draft,
@@ -174,18 +176,36 @@ def test_bench_engines_take_turns_step_by_step(tiny_llama, tiny_draft):
     domains = [None, "docs", None, "code"]
     kw = dict(domains=domains, temperature=0.0, max_tokens=6)
     alone = {m: run_engine(llm, prompts, **kw) for m, llm in llms.items()}
-    order = []
+    order, made = [], dict.fromkeys(llms, 0)
+
+    def stepper(m, step):
+        def counted():
+            order.append(m)
+            finished, tokens = step()
+            made[m] += tokens
+            return finished, tokens
+        return counted
     for m, llm in llms.items():
-        step = llm.step
-        llm.step = lambda m=m, step=step: order.append(m) or step()
-    turns = run_engines_in_turns(llms, prompts, **kw)
+        llm.step = stepper(m, llm.step)
+    timed = []
+    turns = run_engines_in_turns(llms, prompts, **kw, slice_s=0,
+                                 on_step=lambda turn, m, s, n: timed.append(m))
     for m in llms:
         assert turns[m]["tokens"] == alone[m]["tokens"] == 4 * 6
         assert turns[m]["totals"] == alone[m]["totals"]
         assert 0 < turns[m]["wall_s"]
+        assert not llms[m].engine.has_unfinished()      # the untimed steps are cleaned up
     names = list(llms)
-    assert order[:6] == names + names[1:] + names[:1]   # one step each a turn, rotating
-    assert order.count("plain") > order.count("spec-domain")  # spec finishes in fewer steps
+    rotation = [names[(t + i) % 3] for t in range(len(order)) for i in range(3)]
+    assert order == rotation[:len(order)]      # every engine steps in every turn, to the end
+    assert timed.count("plain") > timed.count("spec-domain")  # spec finishes in fewer steps
+    assert made["spec-domain"] > 4 * 6             # then makes tokens, untimed
+    assert order.count("plain") == timed.count("plain")              # plain finished last
+    order.clear()
+    timed.clear()
+    run_engines_in_turns(llms, prompts, **kw, slice_s=60.0,
+                         on_step=lambda turn, m, s, n: timed.append(m))
+    assert order == timed == sorted(timed, key=names.index)   # each job in one slice
 
 
 def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):

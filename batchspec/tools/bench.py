@@ -19,8 +19,9 @@ and observed = tokens/s over batchspec plain at the same batch size and T. With 
 baseline's fastest run, and `x_<baseline>_paired` the median over rounds of the ratio of the
 two runs of one round: on a machine whose speed drifts, the fastest runs of two methods may
 come from different stretches, while one round's runs come from the same one. In a round the
-batchspec methods take turns step by step (--turns steps, the default: each engine takes one
-step, then the next, and a method's time is the sum of its own steps'), so that even a slow
+batchspec methods take turns in slices of steps (--turns steps, the default: each engine steps
+for --slice-ms, then the next, and a method's time is the sum of its own steps'; an engine
+whose job is done keeps stepping, untimed, until the last is done), so that even a slow
 stretch shorter than a run lands on all of them alike; --turns runs runs each method's whole
 job in turn. transformers methods always run whole runs in turn."""
 from __future__ import annotations
@@ -104,37 +105,58 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0):
     return _engine_result(outs, time.perf_counter() - t0)
 
 
+SLICE_S = 0.05   # seconds an engine steps in a turn of --turns steps
+
+
 def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0,
-                        on_step=None):
+                        slice_s=SLICE_S, on_step=None):
     """One run of each engine method ({method: LLM}) over the same prompts, the engines
-    taking turns step by step: each takes one step, then the next, the first of each turn
-    rotating. A method's time is the sum of its own steps' times, so a stretch in which a
-    shared machine runs slower (seconds long, up to 3x on a 2-core VM) lands on every method
-    alike, where whole runs in turns leave it to whichever method ran then. on_step(turn,
-    method, seconds, tokens) follows every step. Returns run_engine's result per method."""
+    taking turns: each takes steps for slice_s seconds (at least one step; slice_s=0: one
+    step), then the next, the first of each turn rotating. A method's time is the sum of its
+    own steps' times, so a stretch in which a shared machine runs slower (seconds long, up to
+    3x on a 2-core VM) lands on every method alike, where whole runs in turns leave it to
+    whichever method ran then. An engine whose job is done keeps stepping, untimed, over the
+    same prompts again until the last job is done: every timed step runs beside the same
+    engines, whichever finishes first (a step right after other engines' runs 4-30% slower
+    than back to back, its weights and cache evicted: benchmarks/bench_turns.py
+    --interleave), and the last stretch of the slowest job is paired too. on_step(turn,
+    method, seconds, tokens) follows every timed step. Returns run_engine's result per
+    method."""
     params = _params(temperature, top_p, max_tokens)
     seqs, spent = {}, dict.fromkeys(llms, 0.0)
     for method, llm in llms.items():
         _start_afresh(llm)
         seqs[method] = llm.add_requests(prompt_ids, params, domains[:len(prompt_ids)])
-    live, turn = list(llms), 0
+    results, order, turn = {}, list(llms), 0
     try:
-        while live:
-            first = turn % len(live)
-            for method in live[first:] + live[:first]:
-                t0 = time.perf_counter()
-                _, tokens = llms[method].step()
-                seconds = time.perf_counter() - t0
-                spent[method] += seconds
-                if on_step is not None:
-                    on_step(turn, method, seconds, tokens)
+        while len(results) < len(llms):
+            first = turn % len(order)
+            for method in order[first:] + order[:first]:
+                llm, timed = llms[method], method not in results
+                t_end = time.perf_counter() + slice_s
+                while True:
+                    t0 = time.perf_counter()
+                    _, tokens = llm.step()
+                    t1 = time.perf_counter()
+                    if timed:
+                        spent[method] += t1 - t0
+                        if on_step is not None:
+                            on_step(turn, method, t1 - t0, tokens)
+                    if not llm.engine.has_unfinished():
+                        if timed:
+                            results[method] = _engine_result(
+                                [llm.output(s) for s in seqs[method]], spent[method])
+                        if len(results) < len(llms):   # beside the others until they finish
+                            llm.add_requests(prompt_ids, params, domains[:len(prompt_ids)])
+                        break
+                    if t1 >= t_end:
+                        break
             turn += 1
-            live = [m for m in live if llms[m].engine.has_unfinished()]
-    finally:   # interrupted: leave every engine clean, as LLM.generate does
+    finally:   # done or interrupted: leave every engine clean, as LLM.generate does
         for llm in llms.values():
             if llm.engine.has_unfinished():
                 llm.engine.abort_all()
-    return {m: _engine_result([llms[m].output(s) for s in seqs[m]], spent[m]) for m in llms}
+    return results
 
 
 def _params(temperature, top_p, max_tokens):
@@ -258,8 +280,11 @@ def print_table(rows):
               help="Runs per cell, the methods taking turns; the fastest is reported, and "
               "with 2 or more the median of each round's ratio to each baseline (paired).")
 @click.option("--turns", type=click.Choice(["steps", "runs"]), default="steps",
-              show_default=True, help="How batchspec methods take turns in a round: engine "
-              "step by engine step (each method's time is its own steps'), or whole runs.")
+              show_default=True, help="How batchspec methods take turns in a round: in "
+              "slices of engine steps (each method's time is its own steps'), or whole runs.")
+@click.option("--slice-ms", type=click.FloatRange(min=0), default=SLICE_S * 1000,
+              show_default=True, help="With --turns steps: how long each engine steps in a "
+              "turn (at least one step; 0: one step a turn).")
 @click.option("--threads", type=int, help="torch threads for every method (default: as "
               "the engine picks for this target).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
@@ -269,7 +294,7 @@ def print_table(rows):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_prompts,
           min_batches, max_tokens, batch_sizes, temperatures, methods, k, threshold, repeats,
-          turns, threads, dtype, seed, json_path):
+          turns, slice_ms, threads, dtype, seed, json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
     from batchspec.models.loader import num_parameters
     models = {"target": target, "draft": draft, "draft-code": draft_code,
@@ -344,7 +369,8 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 if len(stepped) > 1:
                     for method, res in run_engines_in_turns(
                             {m: llms[m] for m in stepped}, prompt_ids, domains=domains,
-                            temperature=t, max_tokens=max_tokens).items():
+                            temperature=t, max_tokens=max_tokens,
+                            slice_s=slice_ms / 1000).items():
                         results[method].append(res)
                 for method, run in runs.items():
                     if method not in stepped or len(stepped) == 1:
@@ -366,7 +392,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 "num_prompts": len(prompts), "min_batches": min_batches,
                 "max_tokens": max_tokens,
                 "k": k, "dtype": dtype, "confidence_threshold": threshold, "repeats": repeats,
-                "turns": turns,
+                "turns": turns, "slice_ms": slice_ms if turns == "steps" else None,
                 "cost_ratio": round(cost, 4), "rows": rows}
         with open(json_path, "w") as f:
             json.dump(info, f, indent=1)
