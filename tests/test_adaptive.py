@@ -36,10 +36,14 @@ def rows_with(policy, n, source, p, domain=None, rounds=200):
     return seqs
 
 
-def set_slowdowns(policy, spec, plain):
+def set_slowdowns(policy, spec, plain, step_s=None):
     """As if speculating steps had measured `spec` times fewer tokens per second than
-    predicted, and plain steps `plain` times fewer."""
-    policy.measured = {True: [1.0, 1.0, 1.0, spec], False: [1.0, 1.0, 1.0, plain]}
+    predicted, and plain steps `plain` times fewer; their predicted seconds those of a plain
+    step of 4 rows (step_s; 1 s for a policy without costs)."""
+    if step_s is None:
+        step_s = policy.costs.target_s(4, 1) if policy.costs is not None else 1.0
+    s = step_s
+    policy.measured = {True: [1.0, s, 1.0, s * spec], False: [1.0, s, 1.0, s * plain]}
 
 
 def flat(q_cost):
@@ -723,3 +727,20 @@ def test_the_batch_mix_follows_rows_that_join_and_leave(tiny_llama):
         gone = gone or any(seq.request_id == "0" for seq in finished)
     assert (False, (0.0, 0.8)) in mixes
     assert {mix for after, mix in mixes if after} == {(0.8,)}
+
+
+def test_what_a_step_costs_besides_the_forwards_buys_more_slots():
+    """Scheduling, sampling and bookkeeping cost a step alike whatever slots it admits:
+    plans weighed with the overhead speculating steps measured beyond their forwards admit
+    slots that the forwards' costs alone would not (at 32 rows and T = 0, plans on the
+    forwards alone drafted 2.5 slots a row where 4 made more tokens per second)."""
+    policy = make_policy(flat(lambda b, q: 0.01 * b + 0.004 * b * (q - 1)), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.7)
+    rows = [(s, "d", 4, True) for s in seqs]
+    set_slowdowns(policy, 1.0, 1.0)                  # steps measured as predicted
+    bare = policy.choose_lengths(rows, 0)
+    for side in (True, False):                       # each step 0.2 s beyond its forwards
+        policy.measured[side][3] += 0.2
+    loaded = policy.choose_lengths(rows, 0)
+    assert 0 < sum(bare) < sum(loaded)
+    assert policy._chosen[0] and policy._chosen[2] < 0.2    # predicted: the forwards alone
