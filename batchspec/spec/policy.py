@@ -564,7 +564,8 @@ class SpecPolicy:
         bookkeeping, which the start-up costs (the forwards alone) leave out and which do not
         grow with the slots admitted. Plans are chosen as if each step also paid it: on
         the forwards alone, plans at 32-64 rows and T = 0 made 3.27 tokens a pass where a
-        fixed k = 4 made 3.73-3.82 and more tokens per second (with it, 3.54-3.64)."""
+        fixed k = 4 made 3.73-3.82 (with it, 3.26-3.71: it moves with what the machine's
+        drift adds to the measured steps)."""
         m = self.measured.get(True) or self.measured.get(False)
         return max(0.0, m[3] - m[1]) if m is not None else 0.0
 
