@@ -161,7 +161,7 @@ def test_bench_pairs_each_rounds_runs_for_its_ratios():
     assert "x_plain_paired" not in rows[0]     # a baseline is not paired with itself
 
 
-def test_bench_engines_take_turns_step_by_step(tiny_llama, tiny_draft):
+def test_bench_engines_take_turns_in_slices_to_the_last_job(tiny_llama, tiny_draft):
     """--turns steps: the engines of a round take turns, the first of each turn rotating, each
     charged its own steps' time; an engine whose job is done keeps stepping, untimed, until
     the last is done; a slice runs an engine's steps back to back. Outputs and counts are

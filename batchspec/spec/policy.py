@@ -561,11 +561,12 @@ class SpecPolicy:
     def _overhead_s(self) -> float:
         """What a speculating step has measured beyond its predicted seconds, on average (a
         plain step's, before speculation is measured): scheduling, sampling, verification and
-        bookkeeping, which the start-up costs (the forwards alone) leave out and which do not
-        grow with the slots admitted. Plans are chosen as if each step also paid it: on
-        the forwards alone, plans at 32-64 rows and T = 0 made 3.27 tokens a pass where a
-        fixed k = 4 made 3.73-3.82 (with it, 3.26-3.71: it moves with what the machine's
-        drift adds to the measured steps)."""
+        bookkeeping, which the start-up costs (the forwards alone) leave out and most of
+        which does not grow with the slots admitted (sampling at T > 0 does, per token).
+        Plans are chosen as if each step also paid it: on the forwards alone, plans at
+        32-64 rows and T = 0 made 3.27 tokens a pass where a fixed k = 4 made 3.73-3.82;
+        with it, 3.26-3.71 (it moves with what the machine's drift adds to the measured
+        steps), with no gain in tokens per second beyond the noise of the bench."""
         m = self.measured.get(True) or self.measured.get(False)
         return max(0.0, m[3] - m[1]) if m is not None else 0.0
 
