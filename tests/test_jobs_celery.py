@@ -173,11 +173,17 @@ def test_poison_shard_fails_after_max_attempts(worker, redis_server, store, slow
 
 def test_shard_that_raises_is_retried_then_failed(worker, redis_server, store, tiny_llama,
                                                   tmp_path):
+    check_broken_model_fails_after_retries(redis_server, store, tiny_llama, tmp_path)
+
+
+def check_broken_model_fails_after_retries(url, store, tiny_llama, tmp_path):
+    """A job whose model cannot load (a corrupt weights file) on the workers of `url`:
+    its shard is retried, then failed, its rows in the errors file."""
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_llama, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     path = write_rows(tmp_path / "e.parquet", ["a", "b"], [3, 3])
-    r = batchspec(redis_server, "submit", path, "-o", tmp_path / "out", "--model", broken,
+    r = batchspec(url, "submit", path, "-o", tmp_path / "out", "--model", broken,
                   "--max-attempts", 2, "--wait")
     assert r.returncode == 1
     job_id = r.stdout.strip().splitlines()[-1]

@@ -264,15 +264,22 @@ class Flight:
     attempt: int
     lease: Lease
     work: ShardWork | None = None
+    # set once every row of the shard is admitted to the batch (or the shard ended, or the
+    # stream could not take it: `error`); its task then returns
+    handed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: Exception | None = None
 
 
 class Stream:
     """The streaming worker (BATCHSPEC_STREAM=1): one engine per worker process kept full
-    across shard tasks, as `batchspec run` keeps it across shards. A shard task queues its
-    shard's rows in the process's ShardDriver and returns as soon as every row queued so far
-    has been admitted to the batch, so Celery hands the process the next shard while this
-    one's tail is still generating. A thread steps the engine and, when a shard's last row
-    finishes, writes its files and records its end.
+    across shard tasks, as `batchspec run` keeps it across shards. A shard task hands its
+    shard to the process's stream thread and returns as soon as every row queued so far has
+    been admitted to the batch, so Celery hands the process the next shard while this one's
+    tail is still generating. The stream thread alone touches the engine: it queues handed
+    shards in its ShardDriver between steps, steps, and, when a shard's last row finishes,
+    writes its files and records its end. The lock guards only the hand-over; a step runs
+    outside it (a thread stepping under it held it nearly all the time, and a task waiting
+    for it could wait through a whole shard: shards then ran one after another).
 
     The lease, not the task message, says who runs a shard: a task's message is
     acknowledged when it hands its shard over, and the shard stays `running` under a lease
@@ -284,42 +291,36 @@ class Stream:
 
     def __init__(self):
         self.cond = threading.Condition()
-        self.driver: ShardDriver | None = None
-        self.job_id: str | None = None
-        self.flights: dict[str, Flight] = {}
+        self.job_id: str | None = None          # the job whose shards stream now
+        self.pending: list[Flight] = []         # handed over, not yet queued in the engine
+        self.flights: dict[str, Flight] = {}    # queued in the engine
         self.thread: threading.Thread | None = None
+        self.stopping = False
+        # the stream thread's own: the engine's driver and its job's periodic checks
+        self.driver: ShardDriver | None = None
         self.cancelled = None
         self.progress = None
 
     def has(self, job_id: str, shard_id: str) -> bool:
         with self.cond:
-            return self.job_id == job_id and shard_id in self.flights
+            return self.job_id == job_id and (
+                shard_id in self.flights or any(f.shard.id == shard_id for f in self.pending))
 
     def add(self, flight: Flight) -> str:
-        """Queue the shard's rows; return once they are all admitted (or the shard ended)."""
-        done: list[tuple[Flight, str, Exception | None]] = []
+        """Hand the shard to the stream; return once its rows are all admitted (or the
+        shard ended). Raises what kept the stream from taking it (the model cannot load)."""
         with self.cond:
-            self.cond.wait_for(lambda: not self.flights or self.job_id == flight.job_id)
-            if not self.flights:
-                quick, job_id = get_store(), flight.job_id
-                self.driver = ShardDriver(flight.spec, get_llm(flight.spec), job_id)
-                self.job_id = job_id
-                self.cancelled = Every(0.5, lambda: quick.cancel_requested(job_id), False)
-                self.progress = Every(0.5, self._report, None)
-            flight.work = self.driver.add(flight.shard)
-            if flight.work.result is not None:  # no valid rows: written already
-                done.append((flight, "completed", None))
-            else:
-                self.flights[flight.shard.id] = flight
-                if self.thread is None:
-                    self.thread = threading.Thread(target=self._loop, daemon=True,
-                                                   name="batchspec-stream")
-                    self.thread.start()
-                self.cond.notify_all()
-                self.cond.wait_for(lambda: flight.shard.id not in self.flights
-                                   or self.driver.wants_more())
-        for f, outcome, exc in done:
-            self._record(f, outcome, exc)
+            self.cond.wait_for(lambda: self.job_id in (None, flight.job_id))
+            self.job_id = flight.job_id
+            self.pending.append(flight)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, daemon=True,
+                                               name="batchspec-stream")
+                self.thread.start()
+            self.cond.notify_all()
+        flight.handed.wait()
+        if flight.error is not None:
+            raise flight.error
         return "streaming"
 
     def _report(self) -> None:
@@ -327,32 +328,69 @@ class Stream:
         for f in list(self.flights.values()):
             quick.progress(f.job_id, f.shard.id, len(f.work.seqs) - f.work.left, 0)
 
+    def _queue(self, flight: Flight) -> list[tuple[Flight, str, Exception | None]]:
+        """Queue a handed shard's rows in the engine (the stream thread's, between steps)."""
+        try:
+            if self.driver is None:
+                quick, job_id = get_store(), flight.job_id
+                self.driver = ShardDriver(flight.spec, get_llm(flight.spec), job_id)
+                self.cancelled = Every(0.5, lambda: quick.cancel_requested(job_id), False)
+                self.progress = Every(0.5, self._report, None)
+            flight.work = self.driver.add(flight.shard)
+        except Exception as e:  # the task gives the shard back
+            flight.error = e
+            flight.handed.set()
+            return []
+        if flight.work.result is not None:  # no valid rows: written already
+            return [(flight, "completed", None)]
+        with self.cond:
+            self.flights[flight.shard.id] = flight
+        return []
+
+    def _step(self) -> list[tuple[Flight, str, Exception | None]]:
+        """One engine step, or the end of every shard in flight (cancelled, or the step
+        failed)."""
+        if self.cancelled():
+            self.driver.abort()
+            return self._take_all("cancelled")
+        try:
+            written, _ = self.driver.step()
+        except Exception as e:  # the step failed: every shard in flight
+            log.exception("engine step failed")
+            try:
+                self.driver.abort()
+            except Exception:  # a closed engine: get_llm() reloads it
+                log.exception("engine abort failed")
+            return self._take_all("failed", e)
+        with self.cond:
+            ended = [(self.flights.pop(w.shard.id), "completed", None) for w in written]
+        self.progress()
+        return ended
+
+    def _take_all(self, outcome: str, exc: Exception | None = None):
+        with self.cond:
+            ended = [(f, outcome, exc) for f in self.flights.values()]
+            self.flights.clear()
+        return ended
+
     def _loop(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.flights)
-                ended: list[tuple[Flight, str, Exception | None]] = []
-                if self.cancelled():
-                    self.driver.abort()
-                    ended = [(f, "cancelled", None) for f in self.flights.values()]
-                    self.flights.clear()
-                else:
-                    try:
-                        written, _ = self.driver.step()
-                        ended = [(self.flights.pop(w.shard.id), "completed", None)
-                                 for w in written]
-                        self.progress()
-                    except Exception as e:  # the step failed: every shard in flight
-                        log.exception("engine step failed")
-                        try:
-                            self.driver.abort()
-                        except Exception:  # a closed engine: get_llm() reloads it
-                            log.exception("engine abort failed")
-                        ended = [(f, "failed", e) for f in self.flights.values()]
-                        self.flights.clear()
-                if not self.flights:
+                self.cond.wait_for(lambda: self.flights or self.pending or self.stopping)
+                if self.stopping:
+                    return
+                new, self.pending = self.pending, []
+            ended = [e for f in new for e in self._queue(f)]
+            if self.flights:
+                ended += self._step()
+            with self.cond:
+                if not self.flights and not self.pending:
                     self.driver = self.job_id = None
                 self.cond.notify_all()
+            wants_more = self.driver is None or self.driver.wants_more()
+            for f in [f for f, _, _ in ended] + (list(self.flights.values()) if wants_more
+                                                 else []):
+                f.handed.set()
             for f, outcome, exc in ended:
                 self._record(f, outcome, exc)
 
@@ -374,15 +412,28 @@ class Stream:
         finally:
             f.lease.stop()
 
-    def release(self) -> None:
-        """Worker shutdown: give every shard in flight back (queued, sent again) so another
-        worker takes it now rather than when its lease expires."""
+    def release(self, timeout_s: float = 60) -> None:
+        """Worker shutdown: stop the stream thread after its step and give every shard in
+        flight or handed over back (queued, sent again), so another worker takes it now
+        rather than when its lease expires. A step still running after timeout_s leaves
+        its shards to their leases."""
         with self.cond:
-            flights = list(self.flights.values())
-            if self.driver is not None:
-                self.driver.abort()
+            self.stopping = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+            if self.thread.is_alive():
+                log.warning("engine step still running at shutdown: shards in flight are "
+                            "left to their leases")
+                return
+        with self.cond:
+            flights = list(self.flights.values()) + self.pending
             self.flights.clear()
-            self.driver = self.job_id = None
+            self.pending = []
+            self.job_id = None
+        if self.driver is not None:
+            self.driver.abort()
+            self.driver = None
         for f in flights:
             try:
                 if worker_store().requeue(f.job_id, f.shard.id, f.token):
@@ -391,6 +442,7 @@ class Stream:
                 log.warning("shard %s of job %s not given back (%s): its lease will expire",
                             f.shard.id, f.job_id, e)
             f.lease.stop()
+            f.handed.set()
 
 
 STREAM = Stream()
