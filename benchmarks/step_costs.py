@@ -1,0 +1,45 @@
+"""The start-up costs an adaptive engine measures (batchspec.spec.policy.StepCosts): one
+target forward over B rows of q tokens each (q = 1: a decode step; q = k + 1: k drafts
+verified) and one forward of each draft over B rows, in ms, on this machine. Their ratio
+across q says what a verified token costs against a decoded one: near 1 per token, the
+target's products are compute-bound at that batch size and speculation has little to save.
+
+    python benchmarks/step_costs.py [--batch-size 64] [--k 4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from batchspec.config import default_dtype  # noqa: E402
+from batchspec.demo import demo_models  # noqa: E402
+from batchspec.tools.bench import make_llm  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-size", type=int, default=64, help="the engine's max rows")
+    ap.add_argument("--k", type=int, default=4)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    models = demo_models()
+    dtype = default_dtype(models["target"], "cpu")
+    llm = make_llm("spec-adaptive", models, args.batch_size, args.k, 0, 0.0, 1, dtype)
+    costs = llm.engine.policy.costs
+    print(f"demo target, {dtype}, one thread; ms per forward")
+    print("rows      " + "".join(f"{b:>8}" for b in costs.batch_sizes))
+    for q, values in sorted(costs.target.items()):
+        print(f"target q={q}" + "".join(f"{v * 1e3:8.2f}" for v in values))
+    top = max(costs.target)
+    print(f"q={top} / q=1" + "".join(f"{a / b:8.2f}" for a, b in
+                                      zip(costs.target[top], costs.target[1], strict=True)))
+    for name, values in costs.draft.items():
+        print(f"draft {name:5}" + "".join(f"{v * 1e3:8.2f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
