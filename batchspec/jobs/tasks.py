@@ -318,7 +318,10 @@ class Stream:
                                                name="batchspec-stream")
                 self.thread.start()
             self.cond.notify_all()
-        flight.handed.wait()
+            thread = self.thread
+        while not flight.handed.wait(1.0):
+            if not thread.is_alive() and not self.stopping:  # (a bug): give it back
+                raise RuntimeError("the stream thread has stopped")
         if flight.error is not None:
             raise flight.error
         return "streaming"
@@ -425,6 +428,9 @@ class Stream:
             if self.thread.is_alive():
                 log.warning("engine step still running at shutdown: shards in flight are "
                             "left to their leases")
+                with self.cond:
+                    for f in [*self.flights.values(), *self.pending]:
+                        f.handed.set()
                 return
         with self.cond:
             flights = list(self.flights.values()) + self.pending
