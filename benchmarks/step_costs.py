@@ -1,8 +1,8 @@
 """The start-up costs an adaptive engine measures (batchspec.spec.policy.StepCosts): one
 target forward over B rows of q tokens each (q = 1: a decode step; q = k + 1: k drafts
-verified) and one forward of each draft over B rows, in ms, on this machine. Their ratio
-across q says what a verified token costs against a decoded one: near 1 per token, the
-target's products are compute-bound at that batch size and speculation has little to save.
+verified) and one forward of each draft over B rows, in ms, on this machine. What q = k + 1
+adds over q = 1, per token, against q = 1's time per row is what a verified token costs
+against a decoded one: the nearer to 1, the less speculation saves at that batch size.
 
     python benchmarks/step_costs.py [--batch-size 64] [--k 4]
 """

@@ -370,11 +370,13 @@ class Stream:
         self.progress()
         return ended
 
-    def _take_all(self, outcome: str, exc: Exception | None = None):
+    def _take_all(self, outcome: str, exc: Exception | None = None,
+                  also: list[Flight] = ()) -> list[tuple[Flight, str, Exception | None]]:
+        """End every shard in flight (and `also`: shards being queued) with outcome."""
         with self.cond:
-            ended = [(f, outcome, exc) for f in self.flights.values()]
+            flights = {**self.flights, **{f.shard.id: f for f in also if not f.handed.is_set()}}
             self.flights.clear()
-        return ended
+        return [(f, outcome, exc) for f in flights.values()]
 
     def _loop(self) -> None:
         while True:
@@ -383,17 +385,28 @@ class Stream:
                 if self.stopping:
                     return
                 new, self.pending = self.pending, []
-            ended = [e for f in new for e in self._queue(f)]
-            if self.flights:
-                ended += self._step()
+            try:
+                ended = [e for f in new for e in self._queue(f)]
+                if self.flights:
+                    ended += self._step()
+                wants_more = not self.flights or self.driver.wants_more()
+            except Exception as e:  # (a bug) every shard here is given back, none stranded
+                log.exception("stream thread failed")
+                try:
+                    if self.driver is not None:
+                        self.driver.abort()
+                except Exception:
+                    log.exception("engine abort failed")
+                ended = self._take_all("failed", e, new)
+                wants_more = True
             with self.cond:
                 if not self.flights and not self.pending:
                     self.driver = self.job_id = None
                 self.cond.notify_all()
-            wants_more = self.driver is None or self.driver.wants_more()
             for f in [f for f, _, _ in ended] + (list(self.flights.values()) if wants_more
                                                  else []):
-                f.handed.set()
+                if not f.handed.is_set():
+                    f.handed.set()
             for f, outcome, exc in ended:
                 self._record(f, outcome, exc)
 
