@@ -22,16 +22,41 @@ def draft_sources(value: str) -> list[str]:
     return [head, tail] if sep and head and tail in LOOKUP_SOURCES else [value]
 
 
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return info
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it bf16
     matmuls are emulated and slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_matmul_isa() in ("amx", "avx512_bf16")
+
+
+def cpu_matmul_isa() -> str:
+    """The widest matrix instructions this CPU has, the first of: amx (AMX bf16 tiles),
+    avx512_bf16, avx512, avx2, other. Speed ratios between methods depend on it (what a
+    verified token costs against a decoded one), so benchmarks record it."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    for isa, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"),
+                      ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return isa
+    return "other"
+
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name", "unknown")
 
 
 def default_dtype(model: str, device: str) -> str:

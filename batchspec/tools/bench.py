@@ -386,7 +386,9 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
     add_speedups(rows)
     print_table(rows)
     if json_path:
-        info = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+        from batchspec.config import cpu_matmul_isa, cpu_model
+        info = {"machine": {"platform": platform.platform(), "cpu": cpu_model(),
+                            "isa": cpu_matmul_isa(), "cpus": os.cpu_count(),
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
                 "models": models, "workload": "data" if data else workload,
                 "num_prompts": len(prompts), "min_batches": min_batches,
