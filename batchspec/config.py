@@ -2,6 +2,7 @@
 Celery task alike. Validated and completed (derived values) in __post_init__."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ def draft_sources(value: str) -> list[str]:
     return [head, tail] if sep and head and tail in LOOKUP_SOURCES else [value]
 
 
+@functools.cache
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
     info: dict[str, str] = {}
@@ -43,11 +45,13 @@ def cpu_has_native_bf16() -> bool:
     return cpu_matmul_isa() in ("amx", "avx512_bf16")
 
 
-def cpu_matmul_isa() -> str:
-    """The widest matrix instructions this CPU has, the first of: amx (AMX bf16 tiles),
-    avx512_bf16, avx512, avx2, other. Speed ratios between methods depend on it (what a
-    verified token costs against a decoded one), so benchmarks record it."""
-    flags = set(_cpuinfo().get("flags", "").split())
+def cpu_matmul_isa(flags: set[str] | None = None) -> str:
+    """The widest matrix instructions of a CPU with these flags (default: this CPU's), the
+    first of: amx (AMX bf16 tiles), avx512_bf16, avx512, avx2, other. Speed ratios between
+    methods depend on it (what a verified token costs against a decoded one), so
+    benchmarks record it."""
+    if flags is None:
+        flags = set(_cpuinfo().get("flags", "").split())
     for isa, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"),
                       ("avx512", "avx512f"), ("avx2", "avx2")):
         if flag in flags:

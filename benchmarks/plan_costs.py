@@ -3,6 +3,8 @@ one batch size, by three engines in turns: suffix drafts with adaptive lengths p
 the start-up costs as measured, the same with what a window's tokens add over a decode step
 scaled by --scale (the plans' marginal cost of a slot), and suffix drafts at a fixed k.
 If the scaled side runs faster, the start-up costs overprice verification slots here.
+Each adaptive engine keeps its policy's lead from run to run (as a worker's engine does
+from shard to shard), so its ratio moves a lot between invocations: compare several.
 
     python benchmarks/plan_costs.py [--batch-size 32] [--scale 0.5] [--repeats 3]
 """
@@ -17,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec.config import default_dtype  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
+from batchspec.spec.policy import StepCosts  # noqa: E402
 from batchspec.tools import bench as bb  # noqa: E402
 from batchspec.tools import hfref  # noqa: E402
 
@@ -40,12 +43,11 @@ def main():
     engines = {"adaptive, start-up costs": llm("suffix-adaptive"),
                f"adaptive, slots x{args.scale}": llm("suffix-adaptive"),
                "fixed k": llm("suffix")}
-    costs = engines[f"adaptive, slots x{args.scale}"].engine.policy.costs
-    for q in costs.target:
-        costs.target[q] = [t1 + args.scale * (t - t1)
-                           for t, t1 in zip(costs.target[q], costs.target[1], strict=True)]
-    costs._per_q.clear()
-    costs._marginal.clear()
+    policy = engines[f"adaptive, slots x{args.scale}"].engine.policy
+    c = policy.costs      # a new StepCosts: none of the measured one's derived tables
+    policy.costs = StepCosts(list(c.batch_sizes), {
+        q: [t1 + args.scale * (t - t1) for t, t1 in zip(ts, c.target[1], strict=True)]
+        for q, ts in c.target.items()}, dict(c.draft), c.prompt_token_s)
     best = dict.fromkeys(engines, 0.0)
     for i in range(args.repeats + 1):      # the first round warms every engine, untimed
         for name, engine in engines.items():
