@@ -547,6 +547,48 @@ def test_a_lead_reversed_by_the_first_try_counts_as_exploration():
     assert policy._explore_s > 0.0                 # its lead's excess was counted
 
 
+def test_prompt_work_beside_a_try_is_not_charged_to_the_tries_budget():
+    """Prompts that new rows run beside a step are work either side does: a try's step
+    beside the prompts of many new rows (0.4 s at 32 rows, which spent the budget of 40 s
+    of steps and held every later try off) is charged nothing, and a step beside a few
+    prompt tokens is charged only what it took beyond them."""
+    from batchspec.spec.policy import PROMPT_TIMED
+    policy = make_policy(flat(lambda b, q: 0.01 * b))
+    policy.costs.prompt_token_s = 1e-4
+    set_slowdowns(policy, 1.0, 1.0)
+    pace = policy.costs.target_s(4, 1)         # the leader's measured seconds per token
+    policy._winner, policy._trying = False, True
+    many = 30 * PROMPT_TIMED
+    policy._count_try(4 * pace + many * 1e-4, 4, many)
+    assert policy._explore_s == 0.0
+    assert policy._busy_s == pytest.approx(4 * pace)
+    policy._count_try(4 * pace + PROMPT_TIMED * 1e-4, 4, PROMPT_TIMED)
+    assert policy._explore_s == pytest.approx(0.0, abs=1e-12)
+    policy._count_try(5 * pace, 4)             # a try's step 1.25x the leader's pace
+    assert policy._explore_s == pytest.approx(pace)
+    policy._trying, policy._unconfirmed = False, [0.0, 0]   # a lead not yet confirmed
+    policy._count_try(4 * pace + many * 1e-4, 4, many)
+    assert policy._unconfirmed == [0.0, 0]
+    policy._count_try(4 * pace + PROMPT_TIMED * 1e-4, 4, PROMPT_TIMED)
+    assert policy._unconfirmed == [pytest.approx(4 * pace), 4]
+
+
+def test_only_a_side_far_behind_is_held_off_as_far():
+    """A side is tried only every FAR_EXPLORE steps when it is far *behind* the leader.
+    Speculation far ahead of a leading plain (its plan 4x plain's, while the tries' budget
+    holds its try back) is not far: plain leading is what is in doubt."""
+    from batchspec.spec.policy import MAX_EXPLORE
+    for winner in (False, True):
+        policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+        seqs = rows_with(policy, 4, "d", 0.9)
+        set_slowdowns(policy, 1.0, 1.0)
+        policy._winner, policy._since = winner, MAX_EXPLORE - 1
+        policy._explore_s = 1.0                # no budget left for a try
+        policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+        assert policy._winner is winner
+        assert policy._far is winner           # plain far behind speculation's lead only
+
+
 def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
     """A step that runs plain because plain leads (plans are weighed only every EXPLORE
     steps) costs what a plain engine's step does: no source drafts for it, lookups neither

@@ -370,9 +370,10 @@ class SpecPolicy:
             self._unconfirmed = None
         self._since += 1
         # a side far behind is tried only every FAR_EXPLORE steps (each try of speculation
-        # also costs the drafts' catch-up); one never measured is not known to be
-        close = min(spec_c, plain_c) >= TRY_MARGIN * max(spec_c, plain_c) or \
-            len(self.measured) < 2
+        # also costs the drafts' catch-up); one never measured is not known to be, and one
+        # far ahead is tried at once (`ahead`)
+        behind_c, lead_c = (plain_c, spec_c) if self._winner else (spec_c, plain_c)
+        close = behind_c >= TRY_MARGIN * lead_c or len(self.measured) < 2
         self._far = not close
         if self._try_left and spec_n:    # a try goes on
             speculate = not self._winner
@@ -596,14 +597,23 @@ class SpecPolicy:
         if speculate:
             self._speculated = False
 
-    def _count_try(self, seconds: float, tokens: int) -> None:
+    def _count_try(self, seconds: float, tokens: int, prompt_tokens: int = 0) -> None:
         """Add a measured step's seconds to the time measured and, for a step of a try
         (its first, unmeasured step too), what it took beyond the leading side's measured
         seconds per token for its tokens to what tries have cost (EXPLORE_BUDGET); a step
-        of a lead not yet confirmed adds to that lead's account (_switch)."""
+        of a lead not yet confirmed adds to that lead's account (_switch). The prompt
+        tokens a step also ran (StepCosts.prompt_token_s each) are work either side does:
+        their time counts in neither account, and a step with over 2 * PROMPT_TIMED of them
+        is left out of both (its prompts' cost is known too roughly). Charged in full, one
+        try's first step beside the prompts of 23 new rows (0.4 s) spent the budget of 40 s
+        of steps at 32 rows, and no side was tried again for the rest of the job."""
         if not 0.0 < seconds < 10.0:   # (a pause of the process says nothing)
             return
+        if prompt_tokens and self.costs is not None:
+            seconds = max(0.0, seconds - prompt_tokens * self.costs.prompt_token_s)
         self._busy_s += seconds
+        if prompt_tokens > 2 * PROMPT_TIMED:
+            return
         lead = self.measured.get(bool(self._winner)) if self._winner is not None else None
         if self._trying and lead is not None and tokens:
             self._explore_s = max(0.0, self._explore_s + seconds - tokens * lead[3] / lead[2])
@@ -631,7 +641,7 @@ class SpecPolicy:
         four steps in five admit a new row: measuring decode-only steps alone left the
         leading side unmeasured for hundreds of steps. A step more than 10x off the
         prediction (a one-time build, a pause of the process) is left out."""
-        self._count_try(seconds, tokens)
+        self._count_try(seconds, tokens, prompt_tokens)
         if self._chosen is None:
             return
         speculate, pred_tokens, pred_s, tried = self._chosen
