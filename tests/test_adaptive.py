@@ -589,6 +589,52 @@ def test_only_a_side_far_behind_is_held_off_as_far():
         assert policy._far is winner           # plain far behind speculation's lead only
 
 
+def routed_row(policy, p_model, p_lookup):
+    """A row served by model draft "d" (each depth accepted with p_model) and routed to
+    lookup source "look" (p_lookup)."""
+    seq = rows_with(policy, 1, "d", p_model)[0]
+    seq.spec.source_depth["look"] = \
+        rows_with(policy, 1, "look", p_lookup)[0].spec.source_depth["look"]
+    return seq
+
+
+def test_routing_weighs_a_rows_sources_at_the_steps_batch_size():
+    """A routed row's model promises more tokens a round than the lookup's two drafts, and
+    each model draft costs a tenth of a decode step. At one row, where a window of 5 costs
+    1.05 decode steps, the model's drafts pay more; at 32 rows, where it costs 3 and each
+    verified token half a decoded one, the lookup's fewer, free drafts do. Without measured
+    costs (no adaptive_k), drafts are weighed on draft passes alone."""
+    policy = make_policy({q: [0.01 * (1 + 0.0125 * (q - 1)), 0.04 * (1 + 0.5 * (q - 1))]
+                          for q in range(1, 6)}, {"d": [0.001, 0.0064]})
+    policy.costs.batch_sizes = [1, 32]
+    seq = routed_row(policy, 0.8, 0.7)
+    assert not policy.prefer_lookup(seq, "d", "look", 2, 0.1, num_rows=1)
+    assert policy.prefer_lookup(seq, "d", "look", 2, 0.1, num_rows=32)
+    assert not policy.prefer_lookup(seq, "d", "look", 0, 0.1, num_rows=32)  # found none
+    policy.costs = None
+    assert not policy.prefer_lookup(seq, "d", "look", 2, 0.1, num_rows=32)
+
+
+def test_plans_admit_slots_by_survival_per_cost():
+    """Rows drafting from a model (survival 0.9 a depth) beside rows drafting from a lookup
+    (0.8), at 8 rows where a model draft's row of forward costs half what a verified token
+    does: a lookup's free draft is worth more per second, so the lookup's first two depths
+    come before the model's first. With one source, survival decides."""
+    policy = make_policy({q: [0.01 * q, 0.04 * q, 0.3 * q] for q in range(1, 6)},
+                         {"d": [0.005, 0.02, 0.15]})
+    model = rows_with(policy, 4, "d", 0.9)
+    lookup = rows_with(policy, 4, "look", 0.8)
+    rows = [(s, "d", 4, True) for s in model] + [(s, "look", 4, False) for s in lookup]
+    probs = [policy.depth_probs(s, src, n) for s, src, n, _ in rows]
+    _, _, _, _, order, row, depth = policy._plan(rows, probs, set(), 8)
+    slots = [(rows[row[j]][1], depth[j]) for j in order]
+    assert slots[:4] == [("look", 0)] * 4       # by survival alone: ("d", 0) first
+    assert slots.index(("d", 0)) > slots.index(("look", 1))
+    model_only = rows[:4]
+    _, _, _, _, order, row, depth = policy._plan(model_only, probs[:4], set(), 4)
+    assert [depth[j] for j in order] == sorted(depth[j] for j in order)
+
+
 def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
     """A step that runs plain because plain leads (plans are weighed only every EXPLORE
     steps) costs what a plain engine's step does: no source drafts for it, lookups neither

@@ -302,9 +302,10 @@ class Engine:
             if alt is not None:   # routed rows: the lookup drafts, then each row chooses
                 self._draft(alt, group)
                 for s in group:
-                    if self.policy.prefer_lookup(s.seq, name, alt, s.num_drafts,
-                                                 self._cost_ratio(name),
-                                                 s.proposal.classes if s.proposal is not None else None):
+                    if self.policy.prefer_lookup(
+                            s.seq, name, alt, s.num_drafts, self._cost_ratio(name),
+                            s.proposal.classes if s.proposal is not None else None,
+                            len(sampling)):
                         s.source = alt
                     else:
                         s.proposal = None

@@ -304,17 +304,51 @@ class SpecPolicy:
         return tokens
 
     def prefer_lookup(self, seq: Sequence, model: str, lookup: str, found: int,
-                      cost_ratio: float, classes: list[int] | None = None) -> bool:
+                      cost_ratio: float, classes: list[int] | None = None,
+                      num_rows: int = 1) -> bool:
         """Routing of a row served by a model draft and a lookup source: whether the drafts
         the lookup found this round (`found` tokens, free to make) promise at least the
-        tokens per target-pass cost of k model drafts (each costing cost_ratio of a pass),
-        by the row's estimates for each source (shrunk towards its domain's and the
-        source's pooled ones)."""
+        tokens per second of the model's, by the row's estimates for each source (shrunk
+        towards its domain's and the source's pooled ones).
+
+        With the measured costs (adaptive_k), each side is weighed at this step's batch size
+        (num_rows rows) on the row's share of it: a plain step's time per row, plus for
+        each draft the model's per-row forward and, for either source, what a verified
+        token adds to the target's (the best number of drafts up to what each may draft).
+        At 32 rows a window's tokens cost about half a decoded token each, and a model's k
+        drafts cost more than a lookup's fewer, free ones: weighed on draft passes alone
+        (below), routed rows took the model's drafts at 32 rows, speculation no longer
+        paid, and the routed engine ran plain (0.96x plain where suffix drafts alone made
+        1.2x). Without costs: k model drafts cost k * cost_ratio of a target pass, and
+        verification nothing."""
         if not found:
             return False
         k = self.lookahead(seq)
-        by_model = self.expected_tokens(seq, model, k) / (1.0 + k * cost_ratio)
-        return self.expected_tokens(seq, lookup, found, classes) >= by_model
+        costs = self.costs
+        if costs is None:
+            by_model = self.expected_tokens(seq, model, k) / (1.0 + k * cost_ratio)
+            return self.expected_tokens(seq, lookup, found, classes) >= by_model
+        b = max(num_rows, 1)
+        row_s = costs.target_s(b, 1) / b
+        q_max = max(costs.target)
+        token_s = (costs.target_s(b, q_max) - costs.target_s(b, 1)) / (b * (q_max - 1)) \
+            if q_max > 1 else 0.0
+        draft_s = costs.draft_s(model, b) / b
+        return self._best_rate(self.depth_probs(seq, lookup, found, classes), row_s,
+                               token_s) >= \
+            self._best_rate(self.depth_probs(seq, model, k), row_s, token_s + draft_s)
+
+    @staticmethod
+    def _best_rate(probs: list[float], row_s: float, per_draft_s: float) -> float:
+        """A row's most tokens per second over drafting 0 .. len(probs) tokens: its
+        expected tokens (1 + the sum of survival probabilities) over row_s + per_draft_s a
+        draft."""
+        best, tokens, survive = 1.0 / max(row_s, 1e-12), 1.0, 1.0
+        for n, p in enumerate(probs, 1):
+            survive *= p
+            tokens += survive
+            best = max(best, tokens / max(row_s + n * per_draft_s, 1e-12))
+        return best
 
     def choose_lengths(self, rows: list[tuple[Sequence, str, int, bool]],
                        num_plain_rows: int,
@@ -465,10 +499,24 @@ class SpecPolicy:
                 row.append(i)
         if not survive:
             return 0, 0.0, 0.0, 0.0, [], row, depth
-        # slots by survival, most likely first (ties: shallower, then earlier rows)
+        # slots by survival per second of cost, most first (ties: shallower, then earlier
+        # rows): a slot costs what its token adds to the target's forward and, for a model
+        # draft, a row of its forward (on average over the step's rows). With one source
+        # that is the order of survival; where rows draft from a model and from a lookup,
+        # a free lookup draft goes before a model's draft a little likelier to hold
+        # (by survival alone, routed rows' model drafts at 32 rows came first, and the
+        # plans they made no longer beat plain).
+        key = survive
+        sources = {(src, is_model) for _, src, _, is_model in rows}
+        if len(sources) > 1:
+            token_s = (costs.target_tokens_s(num_rows, 2 * num_rows) -
+                       costs.target_tokens_s(num_rows, num_rows)) / num_rows + 1e-12
+            unit = {src: token_s + (costs.draft_s(src, len(rows)) / len(rows) if is_model
+                                    else 0.0) for src, is_model in sources}
+            key = [sp / unit[rows[i][1]] for sp, i in zip(survive, row)]
         small = len(survive) <= SMALL_PLAN
-        order = sorted(range(len(survive)), key=lambda j: (-survive[j], depth[j], row[j])) \
-            if small else np.lexsort((row, depth, -np.asarray(survive))).tolist()
+        order = sorted(range(len(survive)), key=lambda j: (-key[j], depth[j], row[j])) \
+            if small else np.lexsort((row, depth, -np.asarray(key))).tolist()
         # each model draft's cost grows with the rows it runs at each depth: a slot at
         # depth d adds one row to its source's forward at d
         marginal = {src: costs.draft_marginal_s(src, len(rows))
