@@ -604,9 +604,11 @@ def test_routing_weighs_a_rows_sources_at_the_steps_batch_size():
     1.05 decode steps, the model's drafts pay more; at 32 rows, where it costs 3 and each
     verified token half a decoded one, the lookup's fewer, free drafts do. Without measured
     costs (no adaptive_k), drafts are weighed on draft passes alone."""
-    policy = make_policy({q: [0.01 * (1 + 0.0125 * (q - 1)), 0.04 * (1 + 0.5 * (q - 1))]
-                          for q in range(1, 6)}, {"d": [0.001, 0.0064]})
-    policy.costs.batch_sizes = [1, 32]
+    policy = make_policy({})
+    policy.costs = StepCosts([1, 32], target={
+        q: [0.01 * (1 + 0.0125 * (q - 1)), 0.04 * (1 + 0.5 * (q - 1))] for q in range(1, 6)},
+        draft={"d": [0.001, 0.0064]})
+    assert policy.costs.verified_token_s(32) == pytest.approx(0.5 * 0.04 / 32)
     seq = routed_row(policy, 0.8, 0.7)
     assert not policy.prefer_lookup(seq, "d", "look", 2, 0.1, num_rows=1)
     assert policy.prefer_lookup(seq, "d", "look", 2, 0.1, num_rows=32)

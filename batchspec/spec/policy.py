@@ -112,6 +112,16 @@ class StepCosts:
                                           for q in range(1, max(self.target) + 1)]
         return t
 
+    def verified_token_s(self, b: int) -> float:
+        """What one more verified token adds to a target forward over b rows: the slope of
+        the target's time in q from q = 1 to k+1 (a line after smooth()), per row."""
+        t = self._target_at(b)
+        return (t[-1] - t[1]) / (b * (len(t) - 2)) if len(t) > 2 else 0.0
+
+    def draft_row_s(self, name: str, b: int) -> float:
+        """A row's share of a forward of draft `name` over b rows."""
+        return self.draft_s(name, b) / b if b > 0 else 0.0
+
     def target_tokens_s(self, b: int, num_tokens: int) -> float:
         """Target forward over b rows holding num_tokens tokens in all (ragged windows):
         interpolated between the uniform shapes of q = floor and ceil of the mean."""
@@ -329,14 +339,11 @@ class SpecPolicy:
             by_model = self.expected_tokens(seq, model, k) / (1.0 + k * cost_ratio)
             return self.expected_tokens(seq, lookup, found, classes) >= by_model
         b = max(num_rows, 1)
-        row_s = costs.target_s(b, 1) / b
-        q_max = max(costs.target)
-        token_s = (costs.target_s(b, q_max) - costs.target_s(b, 1)) / (b * (q_max - 1)) \
-            if q_max > 1 else 0.0
-        draft_s = costs.draft_s(model, b) / b
+        row_s, token_s = costs.target_s(b, 1) / b, costs.verified_token_s(b)
         return self._best_rate(self.depth_probs(seq, lookup, found, classes), row_s,
                                token_s) >= \
-            self._best_rate(self.depth_probs(seq, model, k), row_s, token_s + draft_s)
+            self._best_rate(self.depth_probs(seq, model, k), row_s,
+                            token_s + costs.draft_row_s(model, b))
 
     @staticmethod
     def _best_rate(probs: list[float], row_s: float, per_draft_s: float) -> float:
@@ -509,10 +516,9 @@ class SpecPolicy:
         key = survive
         sources = {(src, is_model) for _, src, _, is_model in rows}
         if len(sources) > 1:
-            token_s = (costs.target_tokens_s(num_rows, 2 * num_rows) -
-                       costs.target_tokens_s(num_rows, num_rows)) / num_rows + 1e-12
-            unit = {src: token_s + (costs.draft_s(src, len(rows)) / len(rows) if is_model
-                                    else 0.0) for src, is_model in sources}
+            token_s = costs.verified_token_s(num_rows) + 1e-12
+            unit = {src: token_s + (costs.draft_row_s(src, len(rows)) if is_model else 0.0)
+                    for src, is_model in sources}
             key = [sp / unit[rows[i][1]] for sp, i in zip(survive, row)]
         small = len(survive) <= SMALL_PLAN
         order = sorted(range(len(survive)), key=lambda j: (-key[j], depth[j], row[j])) \
