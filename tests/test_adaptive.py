@@ -637,6 +637,64 @@ def test_plans_admit_slots_by_survival_per_cost():
     assert [depth[j] for j in order] == sorted(depth[j] for j in order)
 
 
+def test_a_drafts_measured_calls_scale_its_cost_in_plans_and_routing():
+    """A model draft's calls measured at three times what the start-up costs predict for
+    the levels they ran: once DRAFT_TIMED_MIN are timed, plans price its slots at three
+    times the draft's forwards, and a routed row that took the model's drafts at one row
+    takes the lookup's; a step not predicted (no lengths chosen) is not timed."""
+    from batchspec.spec.policy import DRAFT_TIMED_MIN
+    policy = make_policy({})
+    policy.costs = StepCosts([1, 32], target={
+        q: [0.01 * (1 + 0.0125 * (q - 1)), 0.04 * (1 + 0.5 * (q - 1))] for q in range(1, 6)},
+        draft={"d": [0.001, 0.0064]})
+    seq = routed_row(policy, 0.8, 0.7)
+    assert not policy.prefer_lookup(seq, "d", "look", 2, 0.1, num_rows=1)
+    rows = [(seq, "d", 4, True)]
+    probs = [policy.depth_probs(seq, "d", 4)]
+    target_s = policy.costs.target_tokens_s(1, 5)    # 4 drafts and the row's token
+    before = policy._plan(rows, probs, set(), 1)
+    policy.observe_draft("d", 1.0)                  # nothing predicted: not timed
+    assert policy.draft_scale("d") == 1.0
+    for _ in range(DRAFT_TIMED_MIN):
+        policy._draft_pred = policy._levels_s(rows, [4])
+        assert policy._draft_pred == {"d": pytest.approx(4 * 0.001)}
+        policy.observe_draft("d", 3 * 4 * 0.001)
+    assert policy.draft_scale("d") == pytest.approx(3.0)
+    after = policy._plan(rows, probs, set(), 1)
+    assert before[0] == 4 and after[0] == 3       # dearer drafts buy fewer slots
+    assert before[3] - target_s == pytest.approx(4 * 0.001)
+    assert after[3] - policy.costs.target_tokens_s(1, 4) == pytest.approx(3 * 3 * 0.001)
+    assert policy.prefer_lookup(seq, "d", "look", 2, 0.1, num_rows=1)
+
+
+def test_a_routed_rows_unused_lookup_drafts_are_judged_against_what_it_commits(
+        tiny_llama):
+    """Lookup drafts a routed row did not take count in the lookup's estimates as if
+    verified: judged up to the first that differs from the committed token, and none past
+    the committed tokens. In a run whose model draft is the target itself (every draft
+    accepted), routed rows take the model's drafts in most rounds, and the lookup's
+    estimates are still judged on more rounds than it drafted."""
+    from batchspec.spec.proposer import Proposal
+    llm = LLM(tiny_llama, drafts={"default": f"{tiny_llama}+suffix"}, device="cpu",
+              min_acceptance=0.0, max_num_seqs=4, adaptive_k=True)
+    engine, lookup = llm.engine, "default+suffix"
+    # timings pinned: verification free, drafts nearly so (the routing is under test)
+    engine.policy.costs = StepCosts([1, 4], target={q: [0.01, 0.04] for q in range(1, 6)},
+                                    draft={"default": [1e-4, 1e-4]})
+    seq = Sequence(0, "0", [1, 2], SamplingParams(temperature=0.0), seed=0)
+    key, _ = engine.policy._pool_keys(seq, lookup)
+    engine._judge_unused(seq, lookup, Proposal([5, 6, 7], None), [5, 6, 9])
+    assert engine.policy.pooled[key] == ([1, 1, 0], [1, 1, 1])
+    engine._judge_unused(seq, lookup, Proposal([5, 6, 7], None), [5])
+    assert engine.policy.pooled[key] == ([2, 1, 0], [2, 1, 1])
+    engine.policy.pooled.clear()
+    outs = llm.generate(["def f(x): return x + x + x + x"] * 4,
+                        SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+    lookup_rounds = sum(src == "suffix" for o in outs for src in o.stats["round_source"])
+    judged = engine.policy.pooled[key][1][0]
+    assert judged > lookup_rounds
+
+
 def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
     """A step that runs plain because plain leads (plans are weighed only every EXPLORE
     steps) costs what a plain engine's step does: no source drafts for it, lookups neither

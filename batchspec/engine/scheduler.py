@@ -31,6 +31,9 @@ class ScheduledSeq:
     max_drafts: int          # draft tokens this row may append for verification (0: none)
     proposal: Proposal | None = None   # the drafts appended this step (set by the engine)
     source: str | None = None          # the proposer that drafted them (set by the engine)
+    # a routed row's lookup drafts it did not take (the lookup's name and drafts): judged
+    # against the tokens the row commits (Engine.commit)
+    unused: tuple[str, Proposal] | None = None
 
     @property
     def num_drafts(self) -> int:

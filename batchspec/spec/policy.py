@@ -51,6 +51,11 @@ SMALL_PLAN = 16
 # Mixes of temperatures whose measurements are kept besides the current one (_use_mix): a
 # worker serving jobs of many temperatures holds a bounded state.
 MAX_MIXES = 64
+# A model draft's measured time against what the start-up costs predict for the levels it
+# ran (SpecPolicy.observe_draft): the draft's costs in plans and routing are scaled by the
+# ratio of the averages once DRAFT_TIMED_MIN calls are timed; averages over the first
+# 1/DRAFT_WEIGHT calls, EMAs after.
+DRAFT_TIMED_MIN, DRAFT_WEIGHT = 3, 0.1
 # A source may put each draft in a class by its own evidence (suffix drafts: the token's
 # share of its trie's continuations and the match length, suffix.evidence_class); each
 # class's acceptance, per source and temperature, is shrunk towards the slot's depth
@@ -197,6 +202,10 @@ class SpecPolicy:
         # temperatures; each mix seen keeps its own (_use_mix).
         self._mix: tuple | None = None
         self._mixes: dict[tuple, tuple] = {}
+        # model draft -> averages of [predicted, measured] seconds of its timed calls, and
+        # calls timed (observe_draft), for the current mix; this step's predictions
+        self._draft_timed: dict[str, list[float]] = {}
+        self._draft_pred: dict[str, float] = {}
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
@@ -325,8 +334,10 @@ class SpecPolicy:
         (num_rows rows) on the row's share of it: a plain step's time per row, plus for
         each draft the model's per-row forward and, for either source, what a verified
         token adds to the target's (the best number of drafts up to what each may draft).
-        At 32 rows a window's tokens cost about half a decoded token each, and a model's k
-        drafts cost more than a lookup's fewer, free ones: weighed on draft passes alone
+        The model's row is scaled by what its calls have measured against their prediction
+        (draft_scale). At 32 rows a window's tokens cost about half a decoded token each, and
+        a model's k drafts cost more than a lookup's fewer, free ones: weighed on draft
+        passes alone
         (below), routed rows took the model's drafts at 32 rows, speculation no longer
         paid, and the routed engine ran plain (0.96x plain where suffix drafts alone made
         1.2x). Without costs: k model drafts cost k * cost_ratio of a target pass, and
@@ -343,7 +354,7 @@ class SpecPolicy:
         return self._best_rate(self.depth_probs(seq, lookup, found, classes), row_s,
                                token_s) >= \
             self._best_rate(self.depth_probs(seq, model, k), row_s,
-                            token_s + costs.draft_row_s(model, b))
+                            token_s + costs.draft_row_s(model, b) * self.draft_scale(model))
 
     @staticmethod
     def _best_rate(probs: list[float], row_s: float, per_draft_s: float) -> float:
@@ -447,7 +458,54 @@ class SpecPolicy:
         self._speculated = speculate
         self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
             else (False, num_rows, plain_s, tried)
+        self._draft_pred = self._levels_s(rows, lengths) if speculate and not warm_up else {}
         return lengths
+
+    def _levels_s(self, rows: list[tuple[Sequence, str, int, bool]],
+                  lengths: list[int]) -> dict[str, float]:
+        """Each model draft's predicted seconds for these lengths by the start-up costs: a
+        forward per depth over the rows drafting that deep."""
+        counts: dict[tuple[str, int], int] = {}
+        for (_, src, _, is_model), n in zip(rows, lengths):
+            if is_model:
+                for d in range(n):
+                    counts[(src, d)] = counts.get((src, d), 0) + 1
+        pred: dict[str, float] = {}
+        for (src, _), c in counts.items():
+            pred[src] = pred.get(src, 0.0) + self.costs.draft_s(src, c)
+        return pred
+
+    def observe_draft(self, name: str, seconds: float) -> None:
+        """Fold the measured seconds of model draft `name`'s call this step (the lengths
+        choose_lengths chose; not a try's first step nor a lead's, which bring the draft up to
+        date on the plain steps before) into its averages against their prediction
+        (_levels_s). The call also brings the draft's cache up to date on its rows' tokens it
+        has not seen (a new row's prompt, a routed row's lookup rounds) and runs Python and
+        sampling per depth, which the start-up costs (a forward of one token per row) leave
+        out: at 8 rows a routed engine's code draft took 5.6 ms a step where its levels were
+        priced at 3.6 ms, and routed rows chose it over suffix drafts that made more tokens
+        per second. A call more than 10x off its prediction is left out; after
+        DRAFT_TIMED_MIN calls, one counts at most twice (or half) the usual ratio."""
+        pred = self._draft_pred.pop(name, None)
+        if not pred or not 0.0 < seconds < 10.0 or not 0.1 <= seconds / pred <= 10.0:
+            return
+        m = self._draft_timed.get(name)
+        if m is None:
+            self._draft_timed[name] = [pred, seconds, 1]
+            return
+        if m[2] >= DRAFT_TIMED_MIN:
+            usual = m[1] / m[0] * pred
+            seconds = min(max(seconds, usual / 2), usual * 2)
+        m[2] += 1
+        w = max(DRAFT_WEIGHT, 1 / m[2])
+        m[0] += w * (pred - m[0])
+        m[1] += w * (seconds - m[1])
+
+    def draft_scale(self, name: str) -> float:
+        """Measured / predicted seconds of model draft `name`'s calls (observe_draft), 1
+        before DRAFT_TIMED_MIN are timed."""
+        m = self._draft_timed.get(name)
+        return m[1] / m[0] if m is not None and m[2] >= DRAFT_TIMED_MIN else 1.0
 
     @staticmethod
     def mix_of(seqs: list[Sequence]) -> tuple:
@@ -517,7 +575,8 @@ class SpecPolicy:
         sources = {(src, is_model) for _, src, _, is_model in rows}
         if len(sources) > 1:
             token_s = costs.verified_token_s(num_rows) + 1e-12
-            unit = {src: token_s + (costs.draft_row_s(src, len(rows)) if is_model else 0.0)
+            unit = {src: token_s + (costs.draft_row_s(src, len(rows)) * self.draft_scale(src)
+                                    if is_model else 0.0)
                     for src, is_model in sources}
             key = [sp / unit[rows[i][1]] for sp, i in zip(survive, row)]
         small = len(survive) <= SMALL_PLAN
@@ -525,7 +584,8 @@ class SpecPolicy:
             if small else np.lexsort((row, depth, -np.asarray(key))).tolist()
         # each model draft's cost grows with the rows it runs at each depth: a slot at
         # depth d adds one row to its source's forward at d
-        marginal = {src: costs.draft_marginal_s(src, len(rows))
+        # (scaled by what the draft's calls measured against their predictions)
+        marginal = {src: costs.draft_marginal_s(src, len(rows)) * self.draft_scale(src)
                     for src in {src for _, src, _, is_model in rows if is_model}}
         level: dict[tuple[str, int], int] = {}
         draft_cost = []
@@ -566,15 +626,18 @@ class SpecPolicy:
             return
         if self._mix is not None:    # (the first mix seen takes the state as it is)
             self._mixes[self._mix] = (self.measured, self.observed, self._winner,
-                                      self._interval, self._since, self._far)
+                                      self._interval, self._since, self._far,
+                                      self._draft_timed)
             while len(self._mixes) > MAX_MIXES:          # the least recently left first
                 del self._mixes[next(iter(self._mixes))]
             self.measured, self.observed, self._winner, self._interval, self._since, \
-                self._far = self._mixes.pop(mix, ({}, {}, None, EXPLORE, 0, False))
+                self._far, self._draft_timed = self._mixes.pop(
+                    mix, ({}, {}, None, EXPLORE, 0, False, {}))
             # a try of the mix left, ended or not, says nothing of this one's lead
             self._try_left, self._fresh, self._trying = 0, False, False
             self._chosen = None
             self._unconfirmed = None
+            self._draft_pred = {}
         self._mix = mix
 
     def _may_explore(self) -> bool:
