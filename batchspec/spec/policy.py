@@ -337,11 +337,11 @@ class SpecPolicy:
         The model's row is scaled by what its calls have measured against their prediction
         (draft_scale). At 32 rows a window's tokens cost about half a decoded token each, and
         a model's k drafts cost more than a lookup's fewer, free ones: weighed on draft
-        passes alone
-        (below), routed rows took the model's drafts at 32 rows, speculation no longer
-        paid, and the routed engine ran plain (0.96x plain where suffix drafts alone made
-        1.2x). Without costs: k model drafts cost k * cost_ratio of a target pass, and
-        verification nothing."""
+        passes alone (below), routed rows took the model's drafts at 32 rows, speculation no
+        longer paid, and the routed engine ran plain (0.96x plain where suffix drafts alone
+        made 1.2x). Without costs: k model drafts cost k * cost_ratio of a target pass, and
+        verification nothing. The lookup's estimates learn from every round, its drafts
+        judged against what the row commits where the model drafted (Engine._judge_unused)."""
         if not found:
             return False
         k = self.lookahead(seq)
