@@ -278,7 +278,8 @@ def test_tries_are_held_to_their_budget():
 
 def test_a_speculating_step_after_plain_ones_is_not_measured():
     """It also catches the drafts' caches up (a switching cost): a try of speculation runs
-    one step more than TRY_STEPS, and that first one is not measured."""
+    one step more than TRY_STEPS, and that first one is not measured, nor its draft's call
+    timed (observe_draft); the try's later steps are, both."""
     from batchspec.spec.policy import EXPLORE, TRY_STEPS
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
@@ -286,10 +287,13 @@ def test_a_speculating_step_after_plain_ones_is_not_measured():
     chosen = []
     for _ in range(EXPLORE + TRY_STEPS + 1):
         lengths = policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
-        chosen.append((any(lengths), policy._chosen))
+        chosen.append((any(lengths), policy._chosen, dict(policy._draft_pred)))
     assert [c[0] for c in chosen[EXPLORE - 1:]] == [True] * (TRY_STEPS + 1) + [False]
     assert chosen[EXPLORE - 1][1] is None                 # the first: not measured
+    assert chosen[EXPLORE - 1][2] == {}
     assert all(c[1][0] and c[1][2] for c in chosen[EXPLORE:EXPLORE + TRY_STEPS])
+    assert all(c[2] == {"d": pytest.approx(4 * 1e-4)}
+               for c in chosen[EXPLORE:EXPLORE + TRY_STEPS])
 
 
 def test_a_try_of_plain_runs_its_steps_as_plain_runs_while_it_leads():
