@@ -5,8 +5,8 @@ reported.
 
 --compare attention (default): attention of short rows through the C++ paged kernel
 (kernels/paged_attention_cpu.cpp) by its default paths (AMX tiles for bf16 where the CPU has
-AMX; AVX-512 for the rest), by AVX-512 alone, by its portable path, and through gather + SDPA
-(grouped matmuls in bf16).
+AMX; AVX-512 for the rest, else AVX2), by AVX-512 alone and AVX2 alone where the CPU has them,
+by its portable path, and through gather + SDPA (grouped matmuls in bf16).
 --compare linear: the linear layers as the C++ op on AMX tiles (kernels/linear_cpu.cpp)
 against oneDNN on prepacked weights (bf16, CPUs with AMX).
 --compare rmsnorm: the fused C++ RMSNorm (kernels/fused_cpu.cpp, residual add included)
@@ -37,21 +37,29 @@ from batchspec.spec._build import load  # noqa: E402
 
 
 def attention_paths(runner):
+    """The kernel by its default path (AMX tiles for bf16 where the CPU has them, else
+    AVX-512, else AVX2), by each explicit path this CPU has, by its portable path, and
+    gather + SDPA."""
+    from batchspec.config import cpu_matmul_isa
     kernel = load(False).paged_decode_attention
+    switches = ("BATCHSPEC_CPU_ATTENTION_PORTABLE", "BATCHSPEC_CPU_ATTENTION_AMX",
+                "BATCHSPEC_CPU_ATTENTION_AVX2")
 
-    def use(op, portable, amx=True):
+    def use(op, **env):
         def setup():
             attention._cpu_op = op   # False: the gather + SDPA path
-            for name, on in (("BATCHSPEC_CPU_ATTENTION_PORTABLE", portable),
-                             ("BATCHSPEC_CPU_ATTENTION_AMX", not amx)):
-                if on:
-                    os.environ[name] = "0" if name.endswith("AMX") else "1"
-                else:
-                    os.environ.pop(name, None)
+            for name in switches:
+                os.environ.pop(name, None)
+            os.environ.update({f"BATCHSPEC_CPU_ATTENTION_{k.upper()}": v for k, v in env.items()})
         return setup
-    return {"kernel (AMX tiles)": use(kernel, False), "AVX-512 kernel": use(kernel, False,
-                                                                              amx=False),
-            "portable kernel": use(kernel, True), "gather + SDPA": use(False, False)}
+    isa = cpu_matmul_isa()
+    paths = {"kernel (default path)": use(kernel)}
+    if isa in ("amx", "avx512_bf16", "avx512"):
+        paths["AVX-512 kernel"] = use(kernel, amx="0")
+    if isa != "other":
+        paths["AVX2 kernel"] = use(kernel, avx2="1")
+    return {**paths, "portable kernel": use(kernel, portable="1"),
+            "gather + SDPA": use(False)}
 
 
 def rmsnorm_paths(runner):

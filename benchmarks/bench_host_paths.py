@@ -5,13 +5,17 @@ round; each ratio is the median over rounds of a run over the plain run of its r
 against its generic loops and a scalar loop for the drafts' greedy tokens
 (BATCHSPEC_VERIFY_HOST_DRAW=0); --compare draft-head: the drafts' int8 output layer against
 their bf16 one (BATCHSPEC_CPU_DRAFT_HEAD=bf16); --compare draft-steps: a draft's steps in one
-C++ call against the step-by-step loop (BATCHSPEC_CPU_DRAFT_STEPS=python).
+C++ call against the step-by-step loop (BATCHSPEC_CPU_DRAFT_STEPS=python); --compare
+attention: the C++ attention kernel by its default path (AMX, AVX-512 or AVX2, as the CPU
+has them) against its portable one (BATCHSPEC_CPU_ATTENTION_PORTABLE=1; `--method plain`
+measures plain decoding itself).
 
     python benchmarks/bench_host_paths.py --batch-size 32 --temperature 0 --method spec-domain
     python benchmarks/bench_host_paths.py --batch-size 1 --domain code --num-prompts 16 \
         --compare draft-head
     python benchmarks/bench_host_paths.py --batch-size 8 --temperature 0.8 \
         --compare draft-steps
+    python benchmarks/bench_host_paths.py --batch-size 32 --method plain --compare attention
 """
 from __future__ import annotations
 
@@ -36,12 +40,13 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--method", default="spec-domain",
-                    choices=[m for m in METHODS if m not in ("hf", "hf-assisted", "plain")])
+                    choices=[m for m in METHODS if m not in ("hf", "hf-assisted")])
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--domain", default=None, help="prompts of one domain [code and docs]")
-    ap.add_argument("--compare", choices=("host-paths", "draft-head", "draft-steps"),
+    ap.add_argument("--compare", choices=("host-paths", "draft-head", "draft-steps",
+                                          "attention"),
                     default="host-paths")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -56,16 +61,26 @@ def main():
                             "draft-head": ("BATCHSPEC_CPU_DRAFT_HEAD", "int8", "bf16",
                                            ("int8 draft head", "bf16 draft head")),
                             "draft-steps": ("BATCHSPEC_CPU_DRAFT_STEPS", "cpp", "python",
-                                            ("C++ draft steps", "step by step"))}[args.compare]
+                                            ("C++ draft steps", "step by step")),
+                            # None: the switch unset (the kernel reads whether it is set)
+                            "attention": ("BATCHSPEC_CPU_ATTENTION_PORTABLE", None, "1",
+                                          ("default attention", "portable attention")),
+                            }[args.compare]
+
+    def switch(value):
+        if value is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = value
     variants = {"plain": ("plain", on), f"{args.method} ({labels[0]})": (args.method, on),
                 f"{args.method} ({labels[1]})": (args.method, off)}
     llms = {}
     for name, (method, value) in variants.items():    # (each switch is read at load)
-        os.environ[env] = value
+        switch(value)
         llms[name] = make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
 
     def run(name, prompt_ids):
-        os.environ[env] = variants[name][1]
+        switch(variants[name][1])
         r = run_engine(llms[name], prompt_ids, domains=domains,
                        temperature=args.temperature, max_tokens=args.max_tokens,
                        top_p=args.top_p)
@@ -77,7 +92,7 @@ def main():
     for _ in range(args.repeats):
         for name in variants:
             tok_s[name].append(run(name, ids))
-    os.environ.pop(env)
+    switch(None)
     print(f"B={args.batch_size} T={args.temperature} top-p {args.top_p} "
           f"{args.num_prompts} prompts "
           f"({args.domain or 'code and docs'}), "

@@ -3,6 +3,9 @@ target forward over B rows of q tokens each (q = 1: a decode step; q = k + 1: k 
 verified) and one forward of each draft over B rows, in ms, on this machine. What q = k + 1
 adds over q = 1, per token, against q = 1's time per row is what a verified token costs
 against a decoded one: the nearer to 1, the less speculation saves at that batch size.
+The last line is the most any draft source could make over plain decoding at each batch size
+if every draft were accepted and drafting cost nothing: a pass of q tokens makes q tokens in
+t(q) where plain decoding makes one in t(1), so the best over q of q * t(1) / t(q).
 
     python benchmarks/step_costs.py [--batch-size 64] [--k 4]
 """
@@ -39,6 +42,9 @@ def main():
                                       zip(costs.target[top], costs.target[1], strict=True)))
     for name, values in costs.draft.items():
         print(f"draft {name:5}" + "".join(f"{v * 1e3:8.2f}" for v in values))
+    print("ceiling   " + "".join(
+        f"{max(q * costs.target[1][i] / costs.target[q][i] for q in costs.target):8.2f}"
+        for i in range(len(costs.batch_sizes))))
 
 
 if __name__ == "__main__":

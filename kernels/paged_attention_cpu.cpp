@@ -5,8 +5,8 @@
 // One task per (row, KV head): the row's q_len x G query heads that read this KV head walk
 // the row's keys once, through its block table, with an online softmax in fp32. Causal: query
 // j of a row with kv_len keys (its new tokens included) sees positions 0 .. kv_len - q_len + j.
-// Paths: portable C++; AVX-512 (x86-64); AMX tiles for every bf16 task on CPUs that have
-// them.
+// Paths: portable C++; AVX-512 and AVX2 (x86-64); AMX tiles for every bf16 task on CPUs that
+// have them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -26,8 +26,9 @@
 
 namespace {
 
-// Two paths: on x86-64 CPUs with AVX-512 (most servers), explicit AVX-512 code below; on
-// others, this portable C++ one. Both compute in fp32 and differ only in the order of sums.
+// Three paths: on x86-64 CPUs with AVX-512 (most servers), explicit AVX-512 code below; with
+// AVX2 and FMA only, explicit AVX2 code; on others, this portable C++ one. All compute in fp32
+// and differ only in the order of sums.
 //
 // Portable path: keys and values are read CHUNK at a time and converted to fp32 once: keys transposed
 // ([D][CHUNK]) so that a query's scores against the chunk are CHUNK-wide multiply-adds with
@@ -38,6 +39,24 @@ constexpr int64_t CHUNK = 64;
 constexpr int LANES = 16;   // CHUNK is a multiple
 
 using bs::exp_nonpositive;
+
+// The cache slots of keys p0, p0 + 1, ... of a row, through its block table: a block's first
+// slot plus the key's offset in it, no division per key.
+struct SlotWalk {
+  const int64_t* table;
+  int64_t block_size, blk, off, base;
+  SlotWalk(const int64_t* t, int64_t p0, int64_t bs)
+      : table(t), block_size(bs), blk(p0 / bs), off(p0 % bs), base(t[p0 / bs] * bs) {}
+  // the next key's slot; `more`: a key follows it (the table is read past a block only then)
+  int64_t next(bool more) {
+    const int64_t slot = base + off;
+    if (++off == block_size) {
+      off = 0;
+      base = more ? table[++blk] * block_size : 0;
+    }
+    return slot;
+  }
+};
 
 template <typename T>
 BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const int64_t* table,
@@ -63,13 +82,9 @@ BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const i
   float* s = sc.data();
   for (int64_t p0 = 0; p0 < nkv; p0 += CHUNK) {
     const int64_t pn = std::min(CHUNK, nkv - p0);
-    int64_t blk = p0 / block_size, off = p0 % block_size, base = table[blk] * block_size;
+    SlotWalk walk(table, p0, block_size);
     for (int64_t c = 0; c < pn; ++c) {
-      const int64_t slot = base + off;  // no division per key
-      if (++off == block_size) {
-        off = 0;
-        base = c + 1 < pn ? table[++blk] * block_size : 0;
-      }
+      const int64_t slot = walk.next(c + 1 < pn);
       const T* kp = kc + (slot * Hkv + kvh) * D;
       const T* vp = vc + (slot * Hkv + kvh) * D;
       float* vd = vf.data() + c * D;
@@ -133,6 +148,24 @@ BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const i
 using bs::exp16;
 using bs::load16;
 
+// A task's results: each query's value sums over its softmax total, to the model dtype (T:
+// float, or uint16_t holding bf16) at the query's place in out.
+template <typename T>
+void write_task(T* out, const std::vector<float>& acc, const std::vector<float>& sum,
+                int64_t t0, int64_t nq, int64_t G, int64_t Hq, int64_t kvh, int64_t D) {
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = j * G + g;
+      T* dst = out + ((t0 + j) * Hq + kvh * G + g) * D;
+      const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = acc[i * D + d] * inv;
+        if constexpr (std::is_same_v<T, float>) dst[d] = x;
+        else dst[d] = c10::BFloat16(x).x;  // round to nearest even, as torch does
+      }
+    }
+}
+
 // The AVX-512 path: keys CHUNK at a time, each key row converted to fp32 once and dotted with
 // every query of the task (no transposed copy); a query's per-key partial sums are folded,
 // KEYS keys at a time, into vectors of scores by a transpose-and-add tree, and the chunk is
@@ -185,15 +218,10 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
   for (int64_t p0 = 0; p0 < nkv; p0 += CHUNK) {
     const int64_t pn = std::min(CHUNK, nkv - p0);
     const int64_t groups = (pn + KEYS - 1) / KEYS;
-    // slot of key p: its block's first slot plus its offset, no division per key
-    int64_t blk = p0 / block_size, off = p0 % block_size, base = table[blk] * block_size;
+    SlotWalk walk(table, p0, block_size);
     for (int64_t c = 0; c < groups * KEYS; ++c) {
       if (c < pn) {
-        const int64_t slot = base + off;
-        if (++off == block_size) {
-          off = 0;
-          base = c + 1 < pn ? table[++blk] * block_size : 0;
-        }
+        const int64_t slot = walk.next(c + 1 < pn);
         const T* kp = kc + (slot * Hkv + kvh) * D;
         const T* vp = vc + (slot * Hkv + kvh) * D;
         for (int v = 0; v < NV; ++v) {
@@ -254,24 +282,143 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, av[v]);
     }
   }
-  for (int64_t j = 0; j < nq; ++j)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t i = j * G + g;
-      T* dst = out + ((t0 + j) * Hq + kvh * G + g) * D;
-      const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = acc[i * D + d] * inv;
-        if constexpr (std::is_same_v<T, float>) dst[d] = x;
-        else dst[d] = c10::BFloat16(x).x;  // round to nearest even, as torch does
-      }
-    }
+  write_task<T>(out, acc, sum, t0, nq, G, Hq, kvh, D);
 }
 
-// BATCHSPEC_CPU_ATTENTION_PORTABLE=1 takes the portable path (read on every call, so that
-// tests and benchmarks can compare the two in one process)
-bool avx512_usable() {
-  return bs::avx512_usable() && std::getenv("BATCHSPEC_CPU_ATTENTION_PORTABLE") == nullptr;
+// The AVX2 path (CPUs with AVX2 and FMA but no AVX-512): the AVX-512 path's order of work, 8
+// keys and 8 head dimensions a vector. fp32 key and value rows are read where they lie in the
+// cache (no copy); bf16 ones are converted into the chunk's buffers once. A query's scores,
+// softmax and value sums depend only on the keys it sees (chunks start at key 0 whatever the
+// row's window), so a query gets the same result in a window and decoded alone.
+constexpr int64_t KEYS8 = 8;
+
+// out lane c = sum of the lanes of a[c], for c in 0..7
+BS_AVX2 __m256 transpose_sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // t0: per 128-bit half, the half's sums of a0..a3; t1: of a4..a7
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
+
+// One (row, KV head) task; NV = D / 8 vectors per head row.
+template <typename T, int NV>
+__attribute__((target("avx2,fma"))) void attend_task_avx2(
+    const T* q, const T* kc, const T* vc, T* out, const int64_t* table, int64_t t0,
+    int64_t nq, int64_t nkv, int64_t kvh, int64_t Hq, int64_t Hkv, int64_t block_size,
+    float scale, std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& mx,
+    std::vector<float>& sum, std::vector<float>& kf, std::vector<float>& vf) {
+  constexpr int64_t D = NV * 8;
+  constexpr int AV = NV < 8 ? NV : 8;   // value sums AV vectors (of a query's D) at a time
+  const int64_t G = Hq / Hkv;
+  const int64_t n = nq * G;  // query vectors, (j, g) order
+  qf.resize(n * D);
+  acc.assign(n * D, 0.f);
+  mx.assign(n, -std::numeric_limits<float>::infinity());
+  sum.assign(n, 0.f);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q + ((t0 + j) * Hq + kvh * G + g) * D;
+      for (int v = 0; v < NV; ++v)
+        _mm256_storeu_ps(qf.data() + (j * G + g) * D + v * 8,
+                         _mm256_mul_ps(bs::load8(src + v * 8), vscale));
+    }
+  alignas(32) float zero[D] = {};
+  alignas(32) float w[CHUNK];
+  const float* kp[CHUNK];   // the chunk's key and value rows, fp32
+  const float* vp[CHUNK];
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t p0 = 0; p0 < nkv; p0 += CHUNK) {
+    const int64_t pn = std::min(CHUNK, nkv - p0);
+    const int64_t groups = (pn + KEYS8 - 1) / KEYS8;
+    SlotWalk walk(table, p0, block_size);
+    for (int64_t c = 0; c < groups * KEYS8; ++c) {
+      if (c >= pn) {   // a group's keys past the chunk: zeros, weighed 0
+        kp[c] = vp[c] = zero;
+        continue;
+      }
+      const int64_t slot = walk.next(c + 1 < pn);
+      const T* k = kc + (slot * Hkv + kvh) * D;
+      const T* v = vc + (slot * Hkv + kvh) * D;
+      if constexpr (std::is_same_v<T, float>) {
+        kp[c] = k;
+        vp[c] = v;
+      } else {
+        float* kd = kf.data() + c * D;
+        float* vd = vf.data() + c * D;
+        for (int u = 0; u < NV; ++u) {
+          _mm256_storeu_ps(kd + u * 8, bs::load8(k + u * 8));
+          _mm256_storeu_ps(vd + u * 8, bs::load8(v + u * 8));
+        }
+        kp[c] = kd;
+        vp[c] = vd;
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      // causal: query j sees keys 0 .. nkv - nq + j
+      const int64_t seen = std::min(pn, nkv - nq + i / G + 1 - p0);
+      if (seen <= 0) continue;
+      const float* qi = qf.data() + i * D;
+      __m256 sc[CHUNK / KEYS8], live[CHUNK / KEYS8];
+      __m256 top = ninf;
+      const int64_t ng = (seen + KEYS8 - 1) / KEYS8;
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const float* const* kg = kp + gi * KEYS8;
+        __m256 part[KEYS8];
+        const __m256 q0 = _mm256_loadu_ps(qi);
+        for (int c = 0; c < KEYS8; ++c) part[c] = _mm256_mul_ps(q0, _mm256_loadu_ps(kg[c]));
+        for (int v = 1; v < NV; ++v) {
+          const __m256 qv = _mm256_loadu_ps(qi + v * 8);
+          for (int c = 0; c < KEYS8; ++c)
+            part[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kg[c] + v * 8), part[c]);
+        }
+        const float left = static_cast<float>(std::min<int64_t>(KEYS8, seen - gi * KEYS8));
+        live[gi] = _mm256_cmp_ps(lane, _mm256_set1_ps(left), _CMP_LT_OQ);
+        sc[gi] = _mm256_blendv_ps(ninf, transpose_sum8(part), live[gi]);
+        top = _mm256_max_ps(top, sc[gi]);
+      }
+      const float m = std::max(mx[i], bs::reduce_max8(top));
+      const __m256 vm = _mm256_set1_ps(m);
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const __m256 e = _mm256_and_ps(live[gi], bs::exp8(_mm256_sub_ps(sc[gi], vm)));
+        total = _mm256_add_ps(total, e);
+        _mm256_store_ps(w + gi * KEYS8, e);
+      }
+      const float rescale = mx[i] == -std::numeric_limits<float>::infinity()
+                                ? 0.f : exp_nonpositive(mx[i] - m);
+      sum[i] = sum[i] * rescale + bs::reduce_add8(total);
+      mx[i] = m;
+      float* a = acc.data() + i * D;
+      const __m256 vr = _mm256_set1_ps(rescale);
+      for (int h = 0; h < NV; h += AV) {
+        __m256 av[AV];
+        for (int v = 0; v < AV; ++v) av[v] = _mm256_mul_ps(_mm256_loadu_ps(a + (h + v) * 8), vr);
+        for (int64_t c = 0; c < seen; ++c) {
+          const __m256 wc = _mm256_broadcast_ss(w + c);
+          const float* vrow = vp[c] + h * 8;
+          for (int v = 0; v < AV; ++v)
+            av[v] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(vrow + v * 8), av[v]);
+        }
+        for (int v = 0; v < AV; ++v) _mm256_storeu_ps(a + (h + v) * 8, av[v]);
+      }
+    }
+  }
+  write_task<T>(out, acc, sum, t0, nq, G, Hq, kvh, D);
+}
+
+// BATCHSPEC_CPU_ATTENTION_PORTABLE=1 takes the portable path, BATCHSPEC_CPU_ATTENTION_AVX2=1
+// the AVX2 one on a CPU with AVX-512 too (read on every call, so that tests and benchmarks
+// can compare the paths in one process)
+bool portable_forced() { return std::getenv("BATCHSPEC_CPU_ATTENTION_PORTABLE") != nullptr; }
+
+bool avx512_usable() {
+  return bs::avx512_usable() && !portable_forced() &&
+         std::getenv("BATCHSPEC_CPU_ATTENTION_AVX2") == nullptr;
+}
+
+bool avx2_usable() { return bs::avx2_usable() && !portable_forced(); }
 #endif
 
 #if defined(BS_HAVE_AMX_TILES)
@@ -354,17 +501,13 @@ BS_AMX void attend_task_amx(const uint16_t* q, const uint16_t* kc, const uint16_
     for (int64_t p0 = 0; p0 <= last; p0 += KEYS_AMX) {
       const int64_t pn = std::min(KEYS_AMX, last + 1 - p0);
       // keys and values of the chunk, through the block table
-      int64_t blk = p0 / block_size, off = p0 % block_size, base = table[blk] * block_size;
+      SlotWalk walk(table, p0, block_size);
       for (int64_t c = 0; c < KEYS_AMX; c += 2) {
         const uint16_t* v2[2] = {nullptr, nullptr};
         for (int u = 0; u < 2; ++u) {
           uint16_t* kd = kb + (c + u) * D;
           if (c + u < pn) {
-            const int64_t slot = base + off;
-            if (++off == block_size && c + u + 1 < pn) {
-              off = 0;
-              base = table[++blk] * block_size;
-            }
+            const int64_t slot = walk.next(c + u + 1 < pn);
             const uint16_t* kp = kc + (slot * Hkv + kvh) * D;
             v2[u] = vc + (slot * Hkv + kvh) * D;
             for (int v = 0; v < NV / 2; ++v)
@@ -492,6 +635,11 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
       if (D == 32) task = &attend_task_avx512<Raw, 2>;
       if (D == 64) task = &attend_task_avx512<Raw, 4>;
       if (D == 128) task = &attend_task_avx512<Raw, 8>;
+    } else if (avx2_usable()) {
+      if (D == 16) task = &attend_task_avx2<Raw, 2>;
+      if (D == 32) task = &attend_task_avx2<Raw, 4>;
+      if (D == 64) task = &attend_task_avx2<Raw, 8>;
+      if (D == 128) task = &attend_task_avx2<Raw, 16>;
     }
 #ifdef BS_HAVE_AMX_PATH
     using Amx = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,

@@ -315,24 +315,33 @@ def paged_attention_error(D, Hq, Hkv, block_size, dtype, seed=0):
 
 
 def use_attention_path(path, monkeypatch):
-    """The CPU kernel's path `path` (default, avx512 or portable) for this test."""
+    """The CPU kernel's path `path` (default, avx512, avx2 or portable) for this test; skips
+    a path this CPU lacks."""
+    from batchspec.config import cpu_matmul_isa
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
+    isa = cpu_matmul_isa()
     if path == "avx512":
+        if isa not in ("amx", "avx512_bf16", "avx512"):
+            pytest.skip("no AVX-512 on this CPU")
         monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AMX", "0")
+    if path == "avx2":
+        if isa == "other":
+            pytest.skip("no AVX2 on this CPU")
+        monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AVX2", "1")
     if path == "portable":
         monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_PORTABLE", "1")
 
 
-@pytest.mark.parametrize("path", ["default", "avx512", "portable"])
+@pytest.mark.parametrize("path", ["default", "avx512", "avx2", "portable"])
 def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
     """Every path of the CPU kernel against attention computed directly, for head sizes
     16-128, GQA groups 1-4, block sizes that do and do not divide the kernel's chunks, fp32
     and bf16, rows of 1-6 tokens: by default AMX tiles for bf16 where the machine has AMX
-    (head sizes 32-128), AVX-512 for the rest where it has that; AVX-512 alone; the portable
-    C++ one."""
+    (head sizes 32-128), AVX-512 for the rest where it has that, else AVX2; AVX-512 alone;
+    AVX2 alone; the portable C++ one."""
     use_attention_path(path, monkeypatch)
-    for D in (16, 64, 128):
+    for D in (16, 32, 64, 128):
         for Hq, Hkv in ((4, 2), (8, 2), (3, 3)):
             for bs in (16, 5):
                 for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -340,7 +349,7 @@ def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
                     assert err <= tol, (D, Hq, Hkv, bs, dt, err)
 
 
-@pytest.mark.parametrize("path", ["default", "avx512", "portable"])
+@pytest.mark.parametrize("path", ["default", "avx512", "avx2", "portable"])
 def test_a_query_attends_alike_in_a_window_and_decoded_alone(path, monkeypatch):
     """Each query of a verification window gets, bit for bit, the attention it gets as a
     decode step of its own (same keys, same cache), in bf16 and fp32, beside other rows: what
