@@ -12,8 +12,9 @@
 4. a draft's output layer (the demo drafts' 4,096 x 192) in bf16 on AMX tiles vs its int8
    copy (kernels/head_int8_cpu.cpp: AVX512-VNNI up to 7 rows, AMX-INT8 tiles from 8), at
    1-64 rows, the weight read warm as in a round's draft steps;
-5. a round of a demo draft's k = 4 greedy steps at 1-32 rows (contexts of 120 tokens): one
-   C++ call (kernels/draft_steps_cpu.cpp) vs the runner's forward and the argmax per step.
+5. a round of a demo draft's k = 4 greedy steps at 1-32 rows (contexts of 120 tokens; bf16
+   where the CPU computes bf16, else fp32): one C++ call (kernels/draft_steps_cpu.cpp) vs
+   the runner's forward and the argmax per step.
 
     python benchmarks/bench_cpu_ops.py
 """
@@ -51,10 +52,14 @@ def main():
         ws = [torch.randn(n, k, dtype=dt) for _ in range(max(4, (48 << 20) // (n * k * 2)))]
         x = torch.randn(rows, k, dtype=dt)
         plain = per_call_us(F.linear, [(x, w) for w in ws])
-        packed = per_call_us(linear, [(x, prepack(w)) for w in ws])
+        try:   # oneDNN packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT)
+            packed = per_call_us(linear, [(x, prepack(w)) for w in ws])
+        except RuntimeError:
+            packed = None
         amx = per_call_us(linear, [(x, pack_amx(w)) for w in ws]) \
             if layout == "amx" and dt == torch.bfloat16 else None
-        print(f"{n:>5} x {k:<9} {str(dt)[6:]:<9} {rows:>4} {plain:>12.1f} {packed:>13.1f} "
+        print(f"{n:>5} x {k:<9} {str(dt)[6:]:<9} {rows:>4} {plain:>12.1f} "
+              f"{'-' if packed is None else f'{packed:.1f}':>13} "
               f"{'-' if amx is None else f'{amx:.1f}':>10}")
     B, hq, hkv, nq, ctx, d = 32, 4, 2, 1, 208, 64
     mask = (torch.rand(B, 1, nq, ctx) > 0.1)
@@ -81,32 +86,35 @@ def main():
         act_torch = per_call_us(lambda x: F.silu(x[:, :768]) * x[:, 768:], [(gate_up,)] * 200)
         print(f"{rows:>4} rows: residual add + RMSNorm {norm:6.1f} / {norm_torch:6.1f}   "
               f"SwiGLU {act:6.1f} / {act_torch:6.1f}")
-    if layout != "amx" or not ops.head_int8_fast():
-        return
-    print("\ndraft output layer 4,096 x 192, us per call: int8 copy / bf16 on AMX tiles")
-    head = torch.randn(4096, 192).bfloat16() * 0.05
-    packed, scales, sums = ops.pack_head_int8(head)
-    bf16 = pack_amx(head)
-    for rows in (1, 4, 8, 32, 64):
-        x = torch.randn(rows, 192).bfloat16()
-        int8 = per_call_us(lambda a: ops.head_int8(a, packed, scales, sums, 4096), [(x,)] * 300)
-        tiles = per_call_us(lambda a: linear(a, bf16, float_out=True), [(x,)] * 300)
-        print(f"{rows:>4} rows: {int8:6.1f} / {tiles:6.1f}")
+    if layout == "amx" and ops.head_int8_fast():
+        print("\ndraft output layer 4,096 x 192, us per call: int8 copy / bf16 on AMX tiles")
+        head = torch.randn(4096, 192).bfloat16() * 0.05
+        packed, scales, sums = ops.pack_head_int8(head)
+        bf16 = pack_amx(head)
+        for rows in (1, 4, 8, 32, 64):
+            x = torch.randn(rows, 192).bfloat16()
+            int8 = per_call_us(lambda a: ops.head_int8(a, packed, scales, sums, 4096), [(x,)] * 300)
+            tiles = per_call_us(lambda a: linear(a, bf16, float_out=True), [(x,)] * 300)
+            print(f"{rows:>4} rows: {int8:6.1f} / {tiles:6.1f}")
     draft_steps()
 
 
 def draft_steps(k: int = 4, ctx: int = 120):
+    from batchspec.config import default_dtype
     from batchspec.demo import demo_models
     from batchspec.engine.runner import ModelRunner
     from batchspec.spec.verify import greedy_tokens
-    runner = ModelRunner(demo_models()["draft-code"], "cpu", "bfloat16")
-    runner.use_int8_head()
+    path = demo_models()["draft-code"]
+    dtype = default_dtype(path, "cpu")   # bf16 where the CPU computes it, else fp32
+    runner = ModelRunner(path, "cpu", dtype)
+    if dtype == "bfloat16":
+        runner.use_int8_head()
     per_row = -(-(ctx + k + 1) // 16)
     runner.allocate_kv_cache(32 * per_row, 16)
     if not runner.steps_in_one_call:
         return
-    print(f"\na round of the demo code draft's {k} greedy steps, us per round: one C++ call / "
-          f"forward and argmax per step")
+    print(f"\na round of the demo code draft's {k} greedy steps ({dtype}), us per round: one "
+          f"C++ call / forward and argmax per step")
     for rows in (1, 8, 32):
         tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
         runner.forward([list(range(1, ctx + 1))] * rows, [0] * rows, tables, [1] * rows)

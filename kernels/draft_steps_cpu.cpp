@@ -12,17 +12,17 @@
 // operations.
 //
 // The forward is LlamaForCausalLM.forward's (batchspec/models/llama.py) for a model with AMX
-// packed linear weights, the fused C++ layer ops, the C++ paged attention, no q/k norm, no
+// packed or oneDNN-packed linear weights, the fused C++ layer ops, the C++ paged attention, no q/k norm, no
 // bias, no sliding window and one rank; the draw is DraftModelProposer.propose's, top-k and
 // top-p included. The same ops in the same order on the same inputs, so the logits, q and
 // the tokens are the Python loop's bit for bit (tested). The Python side decides when it
 // applies (ModelRunner.draft_steps).
 //
-// weights:     embed, cos, sin, final norm, the head (int8: packed, scales, sums; bf16: the
+// weights:     embed, cos, sin, final norm, the head (int8: packed, scales, sums; else the
 //              packed layer), then per layer: input norm, post-attention norm, qkv, o,
-//              gate_up, down
+//              gate_up, down (each AMX-packed or a oneDNN-packed mkldnn tensor)
 // dims:        layers, q heads, kv heads, head dim, hidden, intermediate, vocab, head kind
-//              (0 int8, 1 bf16)
+//              (0 int8, 1 the packed layer)
 // caches:      per layer k, v [slots, kv heads, head dim]
 // feed:        the rows' pending tokens, concatenated; feed_lens [R] (1-16 each)
 // positions:   [R] the position of each row's first pending token; block_tables [R, width]
@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -93,6 +94,20 @@ struct Ops {
 const Ops& ops() {
   static const Ops o;
   return o;
+}
+
+// x . w^T as the Python forward's `linear` computes it (batchspec/models/llama.py): the AMX
+// op for its packed weights, oneDNN for weights in oneDNN's blocked layout (fp32, or bf16 on
+// CPUs without AMX; mkldnn tensors); float_out: fp32 logits.
+Tensor linear(const Tensor& x, const Tensor& w, int64_t in, int64_t out, bool float_out) {
+  if (!w.is_mkldnn()) return ops().linear.call(x, w, in, out, std::nullopt, float_out);
+  static const c10::OperatorHandle onednn =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, w, c10::IValue(), std::string("none"),
+                                 c10::List<std::optional<c10::Scalar>>(), c10::IValue()};
+  onednn.callBoxed(&stack);
+  Tensor y = stack[0].toTensor();
+  return float_out && y.scalar_type() != at::kFloat ? y.to(at::kFloat) : y;
 }
 
 constexpr int64_t GLOBALS = 4;      // embed, cos, sin, final norm
@@ -182,7 +197,7 @@ std::tuple<Tensor, Tensor> draft_steps(
     for (int64_t l = 0; l < L; ++l) {
       const Tensor* w = weights.data() + GLOBALS + head_n + PER_LAYER * l;
       x = l == 0 ? op.rms_norm.call(h, w[0], eps) : op.add_rms_norm.call(h, mlp_out, w[0], eps);
-      Tensor qkv = op.linear.call(x, w[2], H, qs + 2 * kvs, std::nullopt, false);
+      Tensor qkv = linear(x, w[2], H, qs + 2 * kvs, false);
       Tensor v = qkv.slice(1, qs + kvs).view({T, Hkv, D});
       auto [q, k] = op.rope_qk.call(qkv, cos, sin, p, Hq, Hkv);
       Tensor k_cache = caches[2 * l], v_cache = caches[2 * l + 1];
@@ -191,10 +206,10 @@ std::tuple<Tensor, Tensor> draft_steps(
       Tensor att = at::empty_like(q);
       op.attention.call(q.contiguous(), k_cache, v_cache, blocks, row_info, scale, block_size,
                         att);
-      Tensor proj = op.linear.call(att.reshape({T, qs}), w[3], qs, H, std::nullopt, false);
+      Tensor proj = linear(att.reshape({T, qs}), w[3], qs, H, false);
       x = op.add_rms_norm.call(h, proj, w[1], eps);
-      Tensor gate_up = op.linear.call(x, w[4], H, 2 * I, std::nullopt, false);
-      mlp_out = op.linear.call(op.silu_mul.call(gate_up), w[5], I, H, std::nullopt, false);
+      Tensor gate_up = linear(x, w[4], H, 2 * I, false);
+      mlp_out = linear(op.silu_mul.call(gate_up), w[5], I, H, false);
     }
     x = op.add_rms_norm.call(h, mlp_out, final_norm, eps);
     if (T != M) x = x.index_select(0, tensor(last));   // each row's last token
@@ -203,7 +218,7 @@ std::tuple<Tensor, Tensor> draft_steps(
       logits = op.head_int8.call(x, weights[GLOBALS], weights[GLOBALS + 1],
                                  weights[GLOBALS + 2], V);
     } else {
-      logits = op.linear.call(x, weights[GLOBALS], H, V, std::nullopt, true);
+      logits = linear(x, weights[GLOBALS], H, V, true);
     }
     Tensor next = op.argmax.call(logits);
     if (sampling) {
@@ -257,3 +272,5 @@ TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(BS_NS, CPU, m) { m.impl("draft_steps", &draft_steps); }
+// oneDNN-packed weights (mkldnn tensors) among the arguments dispatch here
+TORCH_LIBRARY_IMPL(BS_NS, MkldnnCPU, m) { m.impl("draft_steps", &draft_steps); }

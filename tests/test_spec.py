@@ -54,14 +54,14 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
         assert o.token_ids == p.token_ids
 
 
-@pytest.mark.parametrize("head", ["int8", "bf16"])
+@pytest.mark.parametrize("head", ["int8", "bf16", "fp32"])
 def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch):
     """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with AMX
-    weights: the tokens, q and the keys and values written are the step-by-step loop's,
-    bit for bit, for greedy and sampled rows side by side (with and without top-k and
-    top-p), ragged pending feeds (one longer
+    weights (bf16) or oneDNN-packed ones (fp32): the tokens, q and the keys and values
+    written are the step-by-step loop's, bit for bit, for greedy and sampled rows side by
+    side (with and without top-k and top-p), ragged pending feeds (one longer
     than a short row: its first step takes the forward, the rest the call) and ragged draft
-    counts, with either output layer; in a job, greedy and sampled, the outputs and
+    counts, with either bf16 output layer; in a job, greedy and sampled, the outputs and
     acceptance counts are the loop's; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off."""
     from batchspec.engine.runner import ModelRunner
     from batchspec.engine.sequence import Sequence
@@ -79,10 +79,12 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     temps, drafts = [0.8, 0.0, 1.0, 0.5, 0.7], [5, 4, 1, 6, 3]
     top_k, top_p = [0, 0, 20, 0, 0], [1.0, 0.9, 1.0, 0.8, 1.0]    # filters, on rows 2 and 3
 
+    dtype, layout = ("float32", "onednn") if head == "fp32" else ("bfloat16", "amx")
+
     def propose(cpp: bool):
-        runner = ModelRunner(draft, "cpu", "bfloat16")
-        if runner.model.weight_layout != "amx":
-            pytest.skip("the C++ draft steps run the AMX linear op")
+        runner = ModelRunner(draft, "cpu", dtype)
+        if runner.model.weight_layout != layout:
+            pytest.skip(f"the C++ draft steps of {dtype} drafts run {layout}'s linear layers")
         if head == "int8" and not (load(False).head_int8_fast() and runner.use_int8_head()):
             pytest.skip("no AVX512-VNNI: no int8 output layer")
         runner.allocate_kv_cache(64, 16)
@@ -117,7 +119,7 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
 
     target = model_factory("llama", seed=2, hidden_size=128, num_heads=2, num_kv_heads=1)
     kw = dict(drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
-              dtype="bfloat16", min_acceptance=0.0)
+              dtype=dtype, min_acceptance=0.0)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True,
                              seed=5)
     llm = LLM(target, **kw)
@@ -278,20 +280,21 @@ def test_speculative_sampling_is_exact(model_factory, tmp_path, temperature, top
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_speculative_sampling_is_exact_with_cpp_draft_steps(model_factory, tmp_path,
-                                                            temperature):
-    """As above in bf16, where the draft's sampled steps run in one C++ call
-    (kernels/draft_steps_cpu.cpp): the outputs follow the bf16 target's own distribution,
-    enumerated from its forward over each prefix (the short-row path verification windows
-    take)."""
+                                                            temperature, dtype):
+    """As above in bf16 (AMX weights) and fp32 (oneDNN-packed weights), where the draft's
+    sampled steps run in one C++ call (kernels/draft_steps_cpu.cpp): the outputs follow the
+    target's own distribution, enumerated from its forward over each prefix (the short-row
+    path verification windows take)."""
     V = 6
     target = model_factory("llama", vocab_size=V, tokenizer=False, init_std=0.25, seed=11)
     draft = noisy_copy(target, str(tmp_path / "draft"), scale=0.7)
     llm = LLM(target, drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
-              dtype="bfloat16", min_acceptance=0.0)
+              dtype=dtype, min_acceptance=0.0)
     if not llm.engine.proposers["default"].runner.steps_in_one_call:
-        pytest.skip("the C++ draft steps need AMX weights")
+        pytest.skip(f"no C++ draft steps for {dtype} drafts on this CPU (bf16: AMX weights)")
     prompt, n = [1, 2, 3], 6000
     params = [SamplingParams(temperature=temperature, max_tokens=3, seed=s) for s in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)

@@ -245,25 +245,30 @@ class LlamaForCausalLM(nn.Module):
     def draft_steps_weights(self) -> list[torch.Tensor] | None:
         """The weights of kernels/draft_steps_cpu.cpp's draft_steps, in its order, or
         None where that op does not compute this forward: it covers a model on CPU with AMX
-        packed linear weights, the fused C++ layer ops, no q/k norm, no bias, no sliding
-        window and one rank (BATCHSPEC_CPU_DRAFT_STEPS=python turns it off)."""
+        or oneDNN packed linear weights, the fused C++ layer ops, no q/k norm, no bias, no
+        sliding window and one rank (BATCHSPEC_CPU_DRAFT_STEPS=python turns it off)."""
         cfg = self.cfg
-        if self.fused is None or not self.fuse_swiglu_rope or self.weight_layout != "amx" or \
+        if self.fused is None or not self.fuse_swiglu_rope or \
+                self.weight_layout not in ("amx", "onednn") or \
                 cfg.qk_norm or cfg.attention_bias or cfg.sliding_window is not None or \
                 self.tp.size > 1 or any(layer["o_bias"] is not None for layer in self.layers) \
                 or os.environ.get("BATCHSPEC_CPU_DRAFT_STEPS", "cpp") == "python":
             return None
+
+        def packed(w):   # what the op multiplies by: the AMX op's buffer, or the mkldnn tensor
+            return w.packed if isinstance(w, AmxWeight) else w
+        amx_head = isinstance(self.lm_head, AmxWeight)
         if self.int8_head is not None:
             head = list(self.int8_head[1:])
-        elif isinstance(self.lm_head, AmxWeight) and \
-                self.lm_head.out_features == cfg.vocab_size:
-            head = [self.lm_head.packed]
+        elif self.lm_head is not None and cfg.vocab_size == (
+                self.lm_head.out_features if amx_head else self.lm_head.shape[0]):
+            head = [packed(self.lm_head)]
         else:
             return None
         weights = [self.embed, self.cos, self.sin, self.final_norm] + head
         for layer in self.layers:
-            weights += [layer["in_norm"], layer["post_norm"], layer["qkv"].packed,
-                        layer["o"].packed, layer["gate_up"].packed, layer["down"].packed]
+            weights += [layer["in_norm"], layer["post_norm"]] + \
+                [packed(layer[name]) for name in ("qkv", "o", "gate_up", "down")]
         return weights
 
     def draft_step_dims(self) -> list[int]:
