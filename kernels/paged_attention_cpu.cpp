@@ -148,6 +148,16 @@ BS_CLONES void attend_task(const T* q, const T* kc, const T* vc, T* out, const i
 using bs::exp16;
 using bs::load16;
 
+// A task's buffers for n query vectors of D: queries (written next), value sums, running
+// maxima and softmax totals, each at its start.
+inline void start_task(std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& mx,
+                       std::vector<float>& sum, int64_t n, int64_t D) {
+  qf.resize(n * D);
+  acc.assign(n * D, 0.f);
+  mx.assign(n, -std::numeric_limits<float>::infinity());
+  sum.assign(n, 0.f);
+}
+
 // A task's results: each query's value sums over its softmax total, to the model dtype (T:
 // float, or uint16_t holding bf16) at the query's place in out.
 template <typename T>
@@ -200,10 +210,7 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
   constexpr int64_t D = NV * 16;
   const int64_t G = Hq / Hkv;
   const int64_t n = nq * G;  // query vectors, (j, g) order
-  qf.resize(n * D);
-  acc.assign(n * D, 0.f);
-  mx.assign(n, -std::numeric_limits<float>::infinity());
-  sum.assign(n, 0.f);
+  start_task(qf, acc, mx, sum, n, D);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j = 0; j < nq; ++j)
     for (int64_t g = 0; g < G; ++g) {
@@ -311,10 +318,7 @@ __attribute__((target("avx2,fma"))) void attend_task_avx2(
   constexpr int AV = NV < 8 ? NV : 8;   // value sums AV vectors (of a query's D) at a time
   const int64_t G = Hq / Hkv;
   const int64_t n = nq * G;  // query vectors, (j, g) order
-  qf.resize(n * D);
-  acc.assign(n * D, 0.f);
-  mx.assign(n, -std::numeric_limits<float>::infinity());
-  sum.assign(n, 0.f);
+  start_task(qf, acc, mx, sum, n, D);
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t j = 0; j < nq; ++j)
     for (int64_t g = 0; g < G; ++g) {
