@@ -7,8 +7,8 @@ reported.
 (kernels/paged_attention_cpu.cpp) by its default paths (AMX tiles for bf16 where the CPU has
 AMX; AVX-512 for the rest, else AVX2), by AVX-512 alone and AVX2 alone where the CPU has them,
 by its portable path, and through gather + SDPA (grouped matmuls in bf16).
---compare linear: the linear layers as the C++ op on AMX tiles (kernels/linear_cpu.cpp)
-against oneDNN on prepacked weights (bf16, CPUs with AMX).
+--compare linear: the linear layers as the C++ op (kernels/linear_cpu.cpp: bf16 on AMX tiles,
+fp32 on AVX2) against oneDNN on prepacked weights (BATCHSPEC_CPU_LINEAR=onednn).
 --compare rmsnorm: the fused C++ RMSNorm (kernels/fused_cpu.cpp, residual add included)
 against the torch ops it replaces.
 --compare fused: every fused C++ op of a layer (RMSNorm, SwiGLU's silu(gate) * up, RoPE of q
@@ -18,6 +18,7 @@ and k), RMSNorm alone fused, and the torch ops.
     python benchmarks/bench_attention.py --compare rmsnorm --model target,draft --ctx 160 --q 1,5
     python benchmarks/bench_attention.py --compare fused --model target,draft --ctx 160 --q 1,5
     python benchmarks/bench_attention.py --compare linear --model target,draft --ctx 160 --q 1,5
+    python benchmarks/bench_attention.py --compare linear --dtype float32 --ctx 160 --q 1,5
 """
 from __future__ import annotations
 
@@ -89,8 +90,10 @@ def fused_paths(runner):
 
 
 def linear_paths(runner):
-    if runner.model.weight_layout != "amx":
-        sys.exit("the AMX linear op is unavailable here (bf16 on a CPU with AMX tiles only)")
+    layout = runner.model.weight_layout
+    if layout not in ("amx", "avx2"):
+        sys.exit("the C++ linear op is unavailable here (bf16 on a CPU with AMX tiles, or fp32 "
+                 "on a CPU with AVX2)")
     os.environ["BATCHSPEC_CPU_LINEAR"] = "onednn"
     other = ModelRunner(runner.path, "cpu", str(runner.model.dtype).removeprefix("torch."))
     del os.environ["BATCHSPEC_CPU_LINEAR"]
@@ -101,7 +104,7 @@ def linear_paths(runner):
             runner.model.layers, runner.model.lm_head = model.layers, model.lm_head
         return setup
     mine = SimpleNamespace(layers=runner.model.layers, lm_head=runner.model.lm_head)
-    return {"AMX linear op": use(mine), "oneDNN": use(other.model)}
+    return {f"C++ linear op ({layout})": use(mine), "oneDNN": use(other.model)}
 
 
 def main():

@@ -1,8 +1,8 @@
 """The CPU ops behind the engine's CPU choices, one thread:
 
-1. linear layers, `F.linear` vs weights prepacked for oneDNN vs (bf16, CPUs with AMX) the
-   C++ op on AMX tiles (batchspec.models.llama, kernels/linear_cpu.cpp), with the weights
-   cycled through 48 MB so that they come from memory, as in decoding;
+1. linear layers, `F.linear` vs weights prepacked for oneDNN vs the C++ op
+   (batchspec.models.llama, kernels/linear_cpu.cpp: bf16 on AMX tiles, fp32 on AVX2), with
+   the weights cycled through 48 MB so that they come from memory, as in decoding;
 2. attention of 32 short rows (4 query / 2 KV heads, head dim 64, 208 keys), SDPA vs the
    grouped matmuls batchspec uses for bf16 on CPU (batchspec.layers.attention);
 3. a layer's elementwise ops in bf16 at the demo target's widths (hidden 256, MLP 768), the
@@ -44,11 +44,15 @@ def per_call_us(fn, args_list, rounds=3):
 
 def main():
     torch.set_num_threads(1)
-    layout, pack_amx = weight_packer(torch.bfloat16, torch.device("cpu"))
-    print("weight [out x in]  dtype     rows  F.linear us  prepacked us  AMX op us")
-    for (n, k), dt, rows in [((1536, 256), torch.bfloat16, 1), ((1536, 256), torch.bfloat16, 5),
-                             ((1536, 256), torch.bfloat16, 32), ((1536, 256), torch.bfloat16, 160),
-                             ((4096, 256), torch.bfloat16, 5), ((4096, 256), torch.float32, 5)]:
+    packers = {dt: weight_packer(dt, torch.device("cpu")) for dt in (torch.bfloat16,
+                                                                         torch.float32)}
+    layout, pack_amx = packers[torch.bfloat16]
+    print("weight [out x in]  dtype     rows  F.linear us  prepacked us  C++ op us")
+    shapes = [((1536, 256), torch.bfloat16, r) for r in (1, 5, 32, 160)] + \
+        [((4096, 256), torch.bfloat16, 5)] + \
+        [((1536, 256), torch.float32, r) for r in (1, 5, 32, 160)] + \
+        [((256, 768), torch.float32, r) for r in (1, 5)] + [((4096, 256), torch.float32, 5)]
+    for (n, k), dt, rows in shapes:
         ws = [torch.randn(n, k, dtype=dt) for _ in range(max(4, (48 << 20) // (n * k * 2)))]
         x = torch.randn(rows, k, dtype=dt)
         plain = per_call_us(F.linear, [(x, w) for w in ws])
@@ -56,11 +60,12 @@ def main():
             packed = per_call_us(linear, [(x, prepack(w)) for w in ws])
         except RuntimeError:
             packed = None
-        amx = per_call_us(linear, [(x, pack_amx(w)) for w in ws]) \
-            if layout == "amx" and dt == torch.bfloat16 else None
+        kind, pack = packers[dt]   # the C++ op: AMX (bf16), AVX2 (fp32), where the CPU has it
+        mine = per_call_us(linear, [(x, pack(w)) for w in ws]) \
+            if kind in ("amx", "avx2") else None
         print(f"{n:>5} x {k:<9} {str(dt)[6:]:<9} {rows:>4} {plain:>12.1f} "
               f"{'-' if packed is None else f'{packed:.1f}':>13} "
-              f"{'-' if amx is None else f'{amx:.1f}':>10}")
+              f"{'-' if mine is None else f'{mine:.1f}':>10}")
     B, hq, hkv, nq, ctx, d = 32, 4, 2, 1, 208, 64
     mask = (torch.rand(B, 1, nq, ctx) > 0.1)
     print(f"\nattention, {B} rows x {nq} query, {ctx} keys: SDPA us / grouped matmuls us")

@@ -7,8 +7,11 @@ against its generic loops and a scalar loop for the drafts' greedy tokens
 their bf16 one (BATCHSPEC_CPU_DRAFT_HEAD=bf16); --compare draft-steps: a draft's steps in one
 C++ call against the step-by-step loop (BATCHSPEC_CPU_DRAFT_STEPS=python); --compare
 attention: the C++ attention kernel by its default path (AMX, AVX-512 or AVX2, as the CPU
-has them) against its portable one (BATCHSPEC_CPU_ATTENTION_PORTABLE=1; `--method plain`
-measures plain decoding itself).
+has them) against its portable one (BATCHSPEC_CPU_ATTENTION_PORTABLE=1); --compare linear:
+the linear layers' C++ op (AMX for bf16, AVX2 for fp32) against oneDNN's product
+(BATCHSPEC_CPU_LINEAR=onednn). The last two change plain decoding too: plain decoding with the
+path off runs beside the others (its own ratio to plain is what the path is worth to it), and
+`--method plain` measures plain decoding alone.
 
     python benchmarks/bench_host_paths.py --batch-size 32 --temperature 0 --method spec-domain
     python benchmarks/bench_host_paths.py --batch-size 1 --domain code --num-prompts 16 \
@@ -16,6 +19,8 @@ measures plain decoding itself).
     python benchmarks/bench_host_paths.py --batch-size 8 --temperature 0.8 \
         --compare draft-steps
     python benchmarks/bench_host_paths.py --batch-size 32 --method plain --compare attention
+    python benchmarks/bench_host_paths.py --batch-size 1 --domain code --num-prompts 16 \
+        --compare linear
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--domain", default=None, help="prompts of one domain [code and docs]")
     ap.add_argument("--compare", choices=("host-paths", "draft-head", "draft-steps",
-                                          "attention"),
+                                          "attention", "linear"),
                     default="host-paths")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -65,6 +70,8 @@ def main():
                             # None: the switch unset (the kernel reads whether it is set)
                             "attention": ("BATCHSPEC_CPU_ATTENTION_PORTABLE", None, "1",
                                           ("default attention", "portable attention")),
+                            "linear": ("BATCHSPEC_CPU_LINEAR", None, "onednn",
+                                       ("C++ linears", "oneDNN linears")),
                             }[args.compare]
 
     def switch(value):
@@ -74,6 +81,8 @@ def main():
             os.environ[env] = value
     variants = {"plain": ("plain", on), f"{args.method} ({labels[0]})": (args.method, on),
                 f"{args.method} ({labels[1]})": (args.method, off)}
+    if args.compare in ("attention", "linear") and args.method != "plain":
+        variants[f"plain ({labels[1]})"] = ("plain", off)
     llms = {}
     for name, (method, value) in variants.items():    # (each switch is read at load)
         switch(value)

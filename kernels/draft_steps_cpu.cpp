@@ -11,16 +11,16 @@
 // (token and position tensors, cache slots, attention rows, the draw), is a few integer
 // operations.
 //
-// The forward is LlamaForCausalLM.forward's (batchspec/models/llama.py) for a model with AMX
-// packed or oneDNN-packed linear weights, the fused C++ layer ops, the C++ paged attention, no q/k norm, no
-// bias, no sliding window and one rank; the draw is DraftModelProposer.propose's, top-k and
+// The forward is LlamaForCausalLM.forward's (batchspec/models/llama.py) for a model with
+// packed linear weights (AMX, AVX2 or oneDNN), the fused C++ layer ops, the C++ paged
+// attention, no q/k norm, no bias, no sliding window and one rank; the draw is DraftModelProposer.propose's, top-k and
 // top-p included. The same ops in the same order on the same inputs, so the logits, q and
 // the tokens are the Python loop's bit for bit (tested). The Python side decides when it
 // applies (ModelRunner.draft_steps).
 //
 // weights:     embed, cos, sin, final norm, the head (int8: packed, scales, sums; else the
 //              packed layer), then per layer: input norm, post-attention norm, qkv, o,
-//              gate_up, down (each AMX-packed or a oneDNN-packed mkldnn tensor)
+//              gate_up, down (each packed for the C++ op, or a oneDNN-packed mkldnn tensor)
 // dims:        layers, q heads, kv heads, head dim, hidden, intermediate, vocab, head kind
 //              (0 int8, 1 the packed layer)
 // caches:      per layer k, v [slots, kv heads, head dim]
@@ -96,9 +96,9 @@ const Ops& ops() {
   return o;
 }
 
-// x . w^T as the Python forward's `linear` computes it (batchspec/models/llama.py): the AMX
-// op for its packed weights, oneDNN for weights in oneDNN's blocked layout (fp32, or bf16 on
-// CPUs without AMX; mkldnn tensors); float_out: fp32 logits.
+// x . w^T as the Python forward's `linear` computes it (batchspec/models/llama.py): the C++
+// op for its packed weights (bf16 on AMX, fp32 on AVX2), oneDNN for weights in oneDNN's
+// blocked layout (mkldnn tensors); float_out: fp32 logits.
 Tensor linear(const Tensor& x, const Tensor& w, int64_t in, int64_t out, bool float_out) {
   if (!w.is_mkldnn()) return ops().linear.call(x, w, in, out, std::nullopt, float_out);
   static const c10::OperatorHandle onednn =

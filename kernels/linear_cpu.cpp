@@ -1,21 +1,31 @@
-// Linear layers in bf16 on CPUs with AMX tiles (Intel Sapphire Rapids and later):
-// y = x . W^T (+ b), fp32 sums, rounded to bf16 once.
+// Linear layers on CPU with weights packed once, at load: y = x . W^T (+ b).
 //
-// Why not oneDNN, which the model uses elsewhere: at the row counts of decoding (1 to a few
-// hundred rows) its bf16 product costs 25-45 us a call even for a 256 x 256 weight with
-// the weight prepacked (the demo models' shapes; measured in docs/benchmarks.md), several
-// times what the tiles take, and a forward makes 4 such calls a layer.
+// - bf16 on CPUs with AMX tiles (Intel Sapphire Rapids and later), fp32 sums rounded to bf16
+//   once. Why not oneDNN, which the model uses elsewhere: at the row counts of decoding (1 to
+//   a few hundred rows) its bf16 product costs 25-45 us a call even for a 256 x 256 weight
+//   with the weight prepacked (the demo models' shapes; measured in docs/benchmarks.md),
+//   several times what the tiles take, and a forward makes 4 such calls a layer.
 //
-// The weight is packed once, at load: W [N, K] becomes [ceil(N/16)][ceil(K/32) * 16][16][2],
-// zero-padded: for each block of 16 output features, each pair of input features (k, k+1)
-// is one 64-byte row holding the 16 features' two weights side by side, the layout of a
-// tile's second operand (B). A tile product then takes 16 rows of x by 32 inputs (A) and
-// such a block's 16 rows (B), adding to a 16 x 16 fp32 block of y (C).
+//   The weight becomes [ceil(N/16)][ceil(K/32) * 16][16][2], zero-padded: for each block of
+//   16 output features, each pair of input features (k, k+1) is one 64-byte row holding the
+//   16 features' two weights side by side, the layout of a tile's second operand (B). A tile
+//   product then takes 16 rows of x by 32 inputs (A) and such a block's 16 rows (B), adding
+//   to a 16 x 16 fp32 block of y (C).
 //
-// Each row of y is computed the same way whatever the other rows are: 32 inputs a tile
-// product, in order, into fp32. So a token's result does not depend on how many rows its
-// batch has (a decode step or a verification window, one row or sixty-four), which oneDNN
-// does not promise; a test holds the op to it.
+// - fp32 on CPUs with AVX2 and FMA (what the CPU's dtype is where it has no bf16
+//   arithmetic). oneDNN's fp32 product with the weight prepacked reads a weight at a third of
+//   the speed the memory gives at one row (the demo target's 25 products: 2.3-2.8 ms a
+//   forward against 0.8-1.1 here) and 1.3-1.7x slower up to 64 rows (benchmarks/
+//   bench_cpu_ops.py). The weight becomes [ceil(N/16)][K][16], zero-padded: each block of 16
+//   features is K rows of 64 bytes, read front to back. A register block of rows x features
+//   (1 x 64, 2 x 48, 3 x 32, or up to 6 x 16) keeps 8-12 sums in registers, one fused
+//   multiply-add a row per input and 8 features.
+//
+// Each row of y is computed the same way whatever the other rows are (tiles: 32 inputs a
+// product, in order, into fp32; AVX2: one fused multiply-add chain per value, inputs in
+// order). So a token's result does not depend on how many rows its batch has (a decode step
+// or a verification window, one row or sixty-four), which oneDNN does not promise; tests hold
+// both paths to it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,7 +34,9 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -37,11 +49,17 @@ constexpr int64_t N_BLOCK = 16;   // output features per block of the packed wei
 // KB), since the tiles read them again for every pair of feature blocks; at least 32
 inline int64_t row_chunk(int64_t Kp) { return std::max<int64_t>(32, (16384 / Kp) / 32 * 32); }
 
-// [N, K] -> the packed layout above (any CPU: it is plain indexing)
+// [N, K] -> the packed layout above of its dtype (any CPU: it is plain indexing)
 at::Tensor pack_linear_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
-              "pack_linear_weight: needs a 2-d bf16 weight [out, in]");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "pack_linear_weight: needs a 2-d bf16 or fp32 weight [out, in]");
   const int64_t N = w.size(0), K = w.size(1);
+  if (w.scalar_type() == at::kFloat) {   // [NB][K][16]
+    const int64_t Np = (N + N_BLOCK - 1) / N_BLOCK * N_BLOCK;
+    auto padded = at::zeros({Np, K}, w.options());
+    padded.narrow(0, 0, N).copy_(w);
+    return padded.view({Np / N_BLOCK, N_BLOCK, K}).permute({0, 2, 1}).contiguous();
+  }
   const int64_t Np = (N + N_BLOCK - 1) / N_BLOCK * N_BLOCK;
   const int64_t Kp = (K + K_TILE - 1) / K_TILE * K_TILE;
   auto padded = at::zeros({Np, Kp}, w.options());
@@ -110,12 +128,169 @@ BS_AMX_LINEAR void linear_blocks(Rows rows, int64_t M, int64_t Kp, const uint16_
 }
 #endif
 
-// x [..., in_features] bf16 -> [..., out_features]; packed from pack_linear_weight of
-// [out_features, in_features]. float_out: the result as fp32 (each value still rounded to
-// bf16), for logits, which the engine reads in fp32
+// x's rows as a contiguous [M, K], and y [..., N] of x's leading shape in dtype
+std::pair<at::Tensor, at::Tensor> rows_and_output(const at::Tensor& x, int64_t K, int64_t N,
+                                                  at::ScalarType dtype) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return {x.reshape({-1, K}).contiguous(), at::empty(shape, x.options().dtype(dtype))};
+}
+
+#if defined(BS_HAVE_AVX512_PATH)   // x86-64: the AVX2 path below, taken where avx2_usable()
+#define BS_AVX2_FN __attribute__((target("avx2,fma")))
+
+// Rows [0, MR) of x (K inputs each, contiguous) by NP blocks of 16 features from w (blocks
+// K * 16 apart), into y (rows ldy apart): the first `count` features (+ bias). Each value is
+// one chain of fused multiply-adds over the inputs in order, whatever MR and NP are.
+// PREFETCH: ask for the weight rows PREFETCH_ROWS ahead (the next block's first rows at the
+// end of a block) where the sums leave the memory time to fetch them: a block's first pass.
+// The loops over registers are unrolled before scalar replacement so that the sums stay in
+// registers (left to the default order, GCC stores them to the stack every input).
+constexpr int64_t PREFETCH_ROWS = 32;
+
+template <int MR, int NP, bool PREFETCH>
+BS_AVX2 void f32_block(const float* x, int64_t K, const float* w, const float* bias, float* y,
+                       int64_t ldy, int64_t count) {
+  __m256 acc[MR][NP][2];
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)
+      acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+  const int64_t stride = K * N_BLOCK;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * N_BLOCK;
+    if constexpr (PREFETCH)
+      _mm_prefetch(reinterpret_cast<const char*>(wk + PREFETCH_ROWS * N_BLOCK), _MM_HINT_T0);
+    __m256 wv[NP][2];
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) {
+      wv[p][0] = _mm256_loadu_ps(wk + p * stride);
+      wv[p][1] = _mm256_loadu_ps(wk + p * stride + 8);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
+      _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) {
+        acc[r][p][0] = _mm256_fmadd_ps(xr, wv[p][0], acc[r][p][0]);
+        acc[r][p][1] = _mm256_fmadd_ps(xr, wv[p][1], acc[r][p][1]);
+      }
+    }
+  }
+  alignas(32) float out[MR][NP * N_BLOCK];
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) {
+      _mm256_store_ps(out[r] + p * N_BLOCK, acc[r][p][0]);
+      _mm256_store_ps(out[r] + p * N_BLOCK + 8, acc[r][p][1]);
+    }
+  const int64_t n1 = std::min<int64_t>(count, NP * N_BLOCK);
+  for (int r = 0; r < MR; ++r) {
+    float* yr = y + r * ldy;
+    int64_t n = 0;
+    for (; n + 8 <= n1; n += 8) {
+      __m256 v = _mm256_load_ps(out[r] + n);
+      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+      _mm256_storeu_ps(yr + n, v);
+    }
+    for (; n < n1; ++n) yr[n] = out[r][n] + (bias != nullptr ? bias[n] : 0.f);
+  }
+}
+
+// up to 6 rows by one block of 16 features
+template <bool PREFETCH>
+BS_AVX2_FN void f32_rows(const float* x, int64_t rows, int64_t K, const float* w,
+                         const float* bias, float* y, int64_t ldy, int64_t count) {
+  switch (rows) {
+    case 1: f32_block<1, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
+    case 2: f32_block<2, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
+    case 3: f32_block<3, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
+    case 4: f32_block<4, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
+    case 5: f32_block<5, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
+    default: f32_block<6, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
+  }
+}
+
+// Feature blocks [nb0, nb1) of y [M, N] for x [M, K]. Up to 3 rows: 4, 3 or 2 blocks at a
+// time, so that 8-12 sums are in flight with the weight read once. More rows: a block at a
+// time, 6 rows after 6 (the block stays in L1/L2 while the later rows reread it).
+BS_AVX2_FN void f32_linear_blocks(const float* x, int64_t M, int64_t K, const float* wp,
+                                  int64_t nb0, int64_t nb1, const float* bias, float* y,
+                                  int64_t N) {
+  const int64_t stride = K * N_BLOCK;
+  auto at = [&](int64_t nb) { return bias != nullptr ? bias + nb * N_BLOCK : nullptr; };
+  if (M <= 3) {
+    const int64_t step = M == 1 ? 4 : M == 2 ? 3 : 2;
+    for (int64_t nb = nb0; nb < nb1; nb += step) {
+      const float* w = wp + nb * stride;
+      float* yb = y + nb * N_BLOCK;
+      const int64_t count = N - nb * N_BLOCK;
+      if (nb + step > nb1) {   // the last blocks of the range, one at a time
+        for (int64_t b = nb; b < nb1; ++b)
+          f32_rows<false>(x, M, K, wp + b * stride, at(b), y + b * N_BLOCK, N, N - b * N_BLOCK);
+      } else if (M == 1) {
+        f32_block<1, 4, false>(x, K, w, at(nb), yb, N, count);
+      } else if (M == 2) {
+        f32_block<2, 3, false>(x, K, w, at(nb), yb, N, count);
+      } else {
+        f32_block<3, 2, false>(x, K, w, at(nb), yb, N, count);
+      }
+    }
+    return;
+  }
+  for (int64_t nb = nb0; nb < nb1; ++nb)
+    for (int64_t m = 0; m < M; m += 6) {
+      const int64_t rows = std::min<int64_t>(6, M - m);
+      if (m == 0)
+        f32_rows<true>(x, rows, K, wp + nb * stride, at(nb), y + nb * N_BLOCK, N, N - nb * N_BLOCK);
+      else
+        f32_rows<false>(x + m * K, rows, K, wp + nb * stride, at(nb), y + m * N + nb * N_BLOCK, N,
+                        N - nb * N_BLOCK);
+    }
+}
+#endif
+
+// x [..., K] fp32 . the fp32 packed weight (+ bias) -> [..., out_features]
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
+                      int64_t out_features, const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1), NB = packed.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == N_BLOCK,
+              "linear_packed: fp32 input and an fp32 weight from pack_linear_weight");
+  TORCH_CHECK(K == in_features && packed.size(1) == K && out_features <= NB * N_BLOCK &&
+                  NB * N_BLOCK - out_features < N_BLOCK,
+              "linear_packed: the input's width or out_features does not match the weight");
+#if defined(BS_HAVE_AVX512_PATH)
+  TORCH_CHECK(bs::avx2_usable(), "linear_packed: fp32 weights need a CPU with AVX2 and FMA");
+  const int64_t N = out_features;
+  at::Tensor x2, y;
+  std::tie(x2, y) = rows_and_output(x, K, N, at::kFloat);
+  const int64_t M = x2.size(0);
+  if (M == 0) return y;
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "linear_packed: bias must have out_features values");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  // feature blocks per task: about two million products each, so that small calls stay on
+  // one thread
+  const int64_t grain = std::max<int64_t>(4, (int64_t(1) << 21) / (M * K * N_BLOCK));
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    f32_linear_blocks(x2.data_ptr<float>(), M, K, packed.data_ptr<float>(), b0, b1, bp,
+                      y.data_ptr<float>(), N);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "linear_packed: fp32 weights need an x86-64 build");
+  return {};
+#endif
+}
+
+// x [..., in_features] -> [..., out_features]; packed from pack_linear_weight of
+// [out_features, in_features]: bf16 x for a bf16 weight (AMX), fp32 x for an fp32 one (AVX2).
+// float_out (bf16): the result as fp32 (each value still rounded to bf16), for logits, which
+// the engine reads in fp32
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          bool float_out) {
+  if (packed.scalar_type() == at::kFloat)
+    return linear_f32(x, packed, in_features, out_features, bias);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
                   packed.dim() == 4 && packed.is_contiguous(),
               "linear_packed: bf16 input and a weight from pack_linear_weight");
@@ -125,11 +300,10 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
               "linear_packed: the input's width or out_features does not match the weight");
 #if defined(BS_HAVE_AMX_TILES)
   TORCH_CHECK(bs::amx_permitted(), "linear_packed: this CPU or process cannot use AMX tiles");
-  const auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0), N = out_features;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  auto y = at::empty(shape, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  const int64_t N = out_features;
+  at::Tensor x2, y;
+  std::tie(x2, y) = rows_and_output(x, K, N, float_out ? at::kFloat : at::kBFloat16);
+  const int64_t M = x2.size(0);
   if (M == 0) return y;
   std::vector<float> b;
   if (bias.has_value()) {
@@ -170,6 +344,15 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
 #endif
 }
 
+// whether pack_linear_weight's fp32 layout runs here
+bool linear_f32_available() {
+#if defined(BS_HAVE_AVX512_PATH)
+  return bs::avx2_usable();
+#else
+  return false;
+#endif
+}
+
 bool linear_amx_available() {
 #if defined(BS_HAVE_AMX_TILES)
   return bs::amx_permitted();
@@ -185,6 +368,7 @@ TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
   m.def("linear_packed(Tensor x, Tensor packed, int in_features, int out_features, "
         "Tensor? bias, bool float_out=False) -> Tensor");
   m.def("linear_amx_available() -> bool", &linear_amx_available);
+  m.def("linear_f32_available() -> bool", &linear_f32_available);
 }
 
 TORCH_LIBRARY_IMPL(BS_NS, CPU, m) {

@@ -96,11 +96,12 @@ def test_model_without_tokenizer_takes_token_ids(tmp_path):
         llm.generate(["text"], use_tqdm=False)
 
 
-@pytest.mark.parametrize("dtype,layout", [("float32", "onednn"), ("bfloat16", "onednn"),
-                                          ("bfloat16", "amx")])
+@pytest.mark.parametrize("dtype,layout", [("float32", "onednn"), ("float32", "avx2"),
+                                          ("bfloat16", "onednn"), ("bfloat16", "amx")])
 def test_packed_weights_give_the_plain_products(arch_model, dtype, layout, monkeypatch):
-    """On CPU the linear weights are packed at load (oneDNN's blocked layout, or AMX tiles' for
-    bf16 on CPUs with them); the logits equal those of F.linear on the same weights
+    """On CPU the linear weights are packed at load (oneDNN's blocked layout, AMX tiles' for
+    bf16 on CPUs with them, or the AVX2 op's for fp32); the logits equal those of F.linear on
+    the same weights
     (BATCHSPEC_CPU_PREPACK=0), for prefill and decode rows."""
     ids = list(range(3, 40))
     logits = {}
@@ -154,6 +155,38 @@ def test_amx_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
         assert ops.linear_packed(x[:0], packed, k, n, b).shape == (0, n)
         # fp32 out (logits): the same bf16 values, without a pass to convert them
         assert torch.equal(ops.linear_packed(x, packed, k, n, b, True), y.float())
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_packed(x[:, :-1], packed, k, n, None)
+
+
+def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
+    """kernels/linear_cpu.cpp's fp32 path: x . W^T (+ b) to within fp32's rounding of the
+    exact product, for widths that are and are not whole blocks (16 outputs), with and
+    without a bias, through each register block (1, 2 and 3 rows over several blocks, up to
+    6 rows over one); each row's result bit for bit the same alone, in a window of 5 rows or
+    among 200 (what keeps a verification window's logits those of decode steps)."""
+    from batchspec.spec._build import load
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    ops = load(False)
+    if not ops.linear_f32_available():
+        pytest.skip("no AVX2 and FMA on this CPU")
+    g = torch.Generator().manual_seed(0)
+    for n, k, bias in ((512, 256, False), (37, 50, True), (4096, 192, False), (16, 1, True),
+                       (200, 33, False)):
+        w = torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g) if bias else None
+        packed = ops.pack_linear_weight(w)
+        x = torch.randn(200, k, generator=g)
+        y = ops.linear_packed(x, packed, k, n, b)
+        ref = x.double() @ w.double().T + (b.double() if bias else 0)
+        # k fp32 roundings of sums of |x w| at most
+        bound = (x.double().abs() @ w.double().abs().T) * k * 2 ** -24 + 1e-6
+        assert ((y.double() - ref).abs() <= bound).all(), (n, k)
+        for rows in (slice(0, 1), slice(7, 9), slice(3, 6), slice(10, 15), slice(3, 20),
+                     slice(150, 200)):
+            assert torch.equal(ops.linear_packed(x[rows], packed, k, n, b), y[rows]), (n, k, rows)
+        assert ops.linear_packed(x[:0], packed, k, n, b).shape == (0, n)
     with pytest.raises(RuntimeError, match="does not match"):
         ops.linear_packed(x[:, :-1], packed, k, n, None)
 

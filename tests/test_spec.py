@@ -54,11 +54,11 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
         assert o.token_ids == p.token_ids
 
 
-@pytest.mark.parametrize("head", ["int8", "bf16", "fp32"])
+@pytest.mark.parametrize("head", ["int8", "bf16", "fp32", "fp32-onednn"])
 def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch):
-    """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with AMX
-    or oneDNN-packed weights (bf16: AMX tiles, or oneDNN on CPUs with AVX-512 but no AMX;
-    fp32: oneDNN): the tokens, q and the keys and values
+    """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with
+    packed weights (bf16: AMX tiles, or oneDNN on CPUs with AVX-512 but no AMX; fp32: the
+    AVX2 op, or oneDNN with BATCHSPEC_CPU_LINEAR=onednn): the tokens, q and the keys and values
     written are the step-by-step loop's, bit for bit, for greedy and sampled rows side by
     side (with and without top-k and top-p), ragged pending feeds (one longer
     than a short row: its first step takes the forward, the rest the call) and ragged draft
@@ -70,6 +70,8 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     from batchspec.spec.proposer import DraftModelProposer
     if head == "bf16":
         monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_HEAD", "bf16")
+    if head == "fp32-onednn":
+        monkeypatch.setenv("BATCHSPEC_CPU_LINEAR", "onednn")
     draft = model_factory("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
                           num_kv_heads=1, tie_word_embeddings=head == "int8")
     g = torch.Generator().manual_seed(0)
@@ -80,11 +82,12 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     temps, drafts = [0.8, 0.0, 1.0, 0.5, 0.7], [5, 4, 1, 6, 3]
     top_k, top_p = [0, 0, 20, 0, 0], [1.0, 0.9, 1.0, 0.8, 1.0]    # filters, on rows 2 and 3
 
-    dtype = "float32" if head == "fp32" else "bfloat16"
+    dtype = "float32" if head.startswith("fp32") else "bfloat16"
+    layouts = {"fp32": ("avx2",), "fp32-onednn": ("onednn",)}.get(head, ("amx", "onednn"))
 
     def propose(cpp: bool):
         runner = ModelRunner(draft, "cpu", dtype)
-        if runner.model.weight_layout not in ("amx", "onednn"):
+        if runner.model.weight_layout not in layouts:
             pytest.skip(f"no packed {dtype} weights on this CPU (the C++ draft steps need them)")
         if head == "int8" and not (load(False).head_int8_fast() and runner.use_int8_head()):
             pytest.skip("no AVX512-VNNI: no int8 output layer")

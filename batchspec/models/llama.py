@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 PREPACK_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: decode/verify batches
 
 
-class AmxWeight(NamedTuple):
-    """A bf16 linear weight packed for AMX tiles (kernels/linear_cpu.cpp)."""
+class PackedWeight(NamedTuple):
+    """A linear weight packed for kernels/linear_cpu.cpp: bf16 for AMX tiles, or fp32 for
+    AVX2."""
     packed: torch.Tensor
     in_features: int
     out_features: int
@@ -50,7 +51,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None,
            float_out: bool = False) -> torch.Tensor:
     """x . w^T (+ b) in x's dtype. float_out: the caller wants fp32 (logits); the AMX op then
     writes its bf16-rounded values as fp32 directly, the others leave the conversion to it."""
-    if isinstance(w, AmxWeight):
+    if isinstance(w, PackedWeight):
         return w.op(x, w.packed, w.in_features, w.out_features, b, float_out)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
@@ -75,24 +76,27 @@ def weight_packer(dtype: torch.dtype, device: torch.device) -> tuple[str, Callab
     """How a model on CPU stores its linear weights, and the function that packs one:
     - "amx": bf16 on CPUs with AMX tiles, the C++ op of kernels/linear_cpu.cpp, several times
       faster than oneDNN at decoding's row counts and the same for a row whatever its batch;
-    - "onednn": oneDNN's blocked layout (fp32, or bf16 without AMX);
+    - "avx2": fp32 on CPUs with AVX2 and FMA, the same op's fp32 path, 2-3x faster than
+      oneDNN at one row and 1.3-1.7x up to 64 rows, also the same for a row in any batch;
+    - "onednn": oneDNN's blocked layout (bf16 without AMX, or BATCHSPEC_CPU_LINEAR=onednn);
     - "none": F.linear (other devices, BATCHSPEC_CPU_PREPACK=0, or neither works).
-    BATCHSPEC_CPU_LINEAR=onednn skips the AMX op (benchmarks compare the two)."""
+    BATCHSPEC_CPU_LINEAR=onednn skips the C++ op (benchmarks and tests compare the two)."""
     if not prepack_available(dtype, device):
         return "none", lambda t: t
-    if dtype == torch.bfloat16 and os.environ.get("BATCHSPEC_CPU_LINEAR", "amx") == "amx":
+    if os.environ.get("BATCHSPEC_CPU_LINEAR") != "onednn":
+        layout = "amx" if dtype == torch.bfloat16 else "avx2"
         try:
             from batchspec.spec._build import load
             ops = load(False)
-            if ops.linear_amx_available():
-                def pack_amx(t: torch.Tensor) -> AmxWeight:
+            if (ops.linear_amx_available() if layout == "amx" else ops.linear_f32_available()):
+                def pack_op(t: torch.Tensor) -> PackedWeight:
                     out_features, in_features = t.shape
-                    return AmxWeight(ops.pack_linear_weight(t.contiguous()), in_features,
-                                     out_features, ops.linear_packed)
-                if _prepack_works(dtype, pack_amx):
-                    return "amx", pack_amx
+                    return PackedWeight(ops.pack_linear_weight(t.contiguous()), in_features,
+                                        out_features, ops.linear_packed)
+                if _prepack_works(dtype, pack_op):
+                    return layout, pack_op
         except Exception as e:  # noqa: BLE001 - no compiler: oneDNN
-            log.warning("AMX linear layers unavailable (%s); using oneDNN", e)
+            log.warning("C++ linear layers unavailable (%s); using oneDNN", e)
     if _prepack_works(dtype, prepack):
         return "onednn", prepack
     return "none", lambda t: t
@@ -244,24 +248,24 @@ class LlamaForCausalLM(nn.Module):
 
     def draft_steps_weights(self) -> list[torch.Tensor] | None:
         """The weights of kernels/draft_steps_cpu.cpp's draft_steps, in its order, or
-        None where that op does not compute this forward: it covers a model on CPU with AMX
-        or oneDNN packed linear weights, the fused C++ layer ops, no q/k norm, no bias, no
+        None where that op does not compute this forward: it covers a model on CPU with
+        packed linear weights (AMX, AVX2 or oneDNN), the fused C++ layer ops, no q/k norm, no bias, no
         sliding window and one rank (BATCHSPEC_CPU_DRAFT_STEPS=python turns it off)."""
         cfg = self.cfg
         if self.fused is None or not self.fuse_swiglu_rope or \
-                self.weight_layout not in ("amx", "onednn") or \
+                self.weight_layout not in ("amx", "avx2", "onednn") or \
                 cfg.qk_norm or cfg.attention_bias or cfg.sliding_window is not None or \
                 self.tp.size > 1 or any(layer["o_bias"] is not None for layer in self.layers) \
                 or os.environ.get("BATCHSPEC_CPU_DRAFT_STEPS", "cpp") == "python":
             return None
 
-        def packed(w):   # what the op multiplies by: the AMX op's buffer, or the mkldnn tensor
-            return w.packed if isinstance(w, AmxWeight) else w
-        amx_head = isinstance(self.lm_head, AmxWeight)
+        def packed(w):   # what the op multiplies by: the C++ op's buffer, or the mkldnn tensor
+            return w.packed if isinstance(w, PackedWeight) else w
+        op_head = isinstance(self.lm_head, PackedWeight)
         if self.int8_head is not None:
             head = list(self.int8_head[1:])
         elif self.lm_head is not None and cfg.vocab_size == (
-                self.lm_head.out_features if amx_head else self.lm_head.shape[0]):
+                self.lm_head.out_features if op_head else self.lm_head.shape[0]):
             head = [packed(self.lm_head)]
         else:
             return None
