@@ -1,14 +1,17 @@
-// A draft model's output layer in int8 on CPUs with AVX512-VNNI: logits = x . W^T with W
-// quantized per output (symmetric: scale_n = max|W_n| / 127) and each row of x per row
-// (q = round(x * 127 / max|x|)), int32 sums: with VNNI up to 7 rows, on AMX-INT8 tiles from
-// 8 (where the CPU has them). Both sum exactly, so a row's logits are the same in any batch.
+// A draft model's output layer in int8 on CPUs with AVX512-VNNI or AVX2: logits = x . W^T
+// with W quantized per output (symmetric: scale_n = max|W_n| / 127) and each row of x per
+// row (q = round(x * 127 / max|x|)), int32 sums: with VNNI up to 7 rows, on AMX-INT8 tiles
+// from 8 (where the CPU has them), with AVX2 where there is no VNNI. All sum exactly, so a
+// row's logits are the same in any batch, and the same on every path.
 //
 // Why: at a handful of rows a draft's forward is bound by reading its weights, and its
 // output layer is most of them (the demo drafts: 1.5 of 2.4 MB; SmolLM2-135M: 28M of 135M
 // parameters). int8 halves what a step reads, and the demo drafts' weights then fit a 2 MB
 // L2 cache, so a round's later draft steps find them there. The draft's distribution moves
 // by the rounding; verification judges drafts by the probabilities the draft actually used,
-// so outputs stay exact.
+// so outputs stay exact. On fp32 drafts (CPUs without bf16 arithmetic) it reads a quarter of
+// the bytes: the demo drafts' layer is 3 MB in fp32, 0.8 MB in int8, which stays in L2
+// through a round's draft steps.
 //
 // Layout: W [N, K] -> [ceil(N/16)][K4][16][4] int8, K4 = ceil(K/64) * 16, zero-padded: for a
 // block of 16 outputs, each group of four inputs is one 64-byte vector, vpdpbusd's signed
@@ -113,6 +116,61 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void head_rows_vnni(
 }
 #endif
 
+#if defined(BS_HAVE_AVX512_PATH)
+// AVX2 (CPUs without VNNI): the same int32 sums. vpmaddubsw multiplies unsigned by signed
+// bytes and adds pairs into saturating int16, so the codes enter as signed q (|q| <= 127)
+// with each weight's sign moved onto them: |w| * (q * sign w) = q * w, a pair at most
+// 2 * 127 * 127 < 2^15, exact; vpmaddwd adds the pairs into int32. Summing q * w directly
+// needs no correction by 128 * sum w: the VNNI path's result after its correction.
+// Rows [0, R) by BLOCKS blocks of 16 outputs at a time (8 int32 sums in registers).
+template <int R, int BLOCKS>
+__attribute__((target("avx2"))) void head_rows_avx2(
+    const std::vector<uint8_t>* xq, const float* sx, const int8_t* wp, const float* scale,
+    int64_t NB, int64_t K4, int64_t N, float* y, int64_t ldy) {
+  const int64_t block = K4 * N_BLOCK * K_GROUP;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t nb = 0; nb < NB; nb += BLOCKS) {
+    const int nblk = int(std::min<int64_t>(BLOCKS, NB - nb));
+    __m256i acc[R][BLOCKS][2];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+      _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; ++j)
+        acc[r][j][0] = acc[r][j][1] = _mm256_setzero_si256();
+    const int8_t* w0 = wp + nb * block;
+    for (int64_t k = 0; k < K4; ++k) {
+      __m256i xb[R];
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq[r].data() + k * K_GROUP, 4);
+        xb[r] = _mm256_set1_epi32(four ^ int32_t(0x80808080u));   // codes q + 128 -> q
+      }
+      _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; ++j) {
+        if (j >= nblk) break;
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w0 + j * block + k * 64 + h * 32));
+          const __m256i a = _mm256_abs_epi8(w);
+          _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+            const __m256i pairs = _mm256_maddubs_epi16(a, _mm256_sign_epi8(xb[r], w));
+            acc[r][j][h] = _mm256_add_epi32(acc[r][j][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    }
+    alignas(32) int32_t out[R][BLOCKS][N_BLOCK];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+      _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; ++j)
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(out[r][j] + h * 8), acc[r][j][h]);
+    for (int j = 0; j < nblk; ++j) {
+      const int64_t n0 = (nb + j) * N_BLOCK, n1 = std::min(N, n0 + N_BLOCK);
+      for (int r = 0; r < R; ++r)   // as the VNNI path: sum * (row scale * output scale)
+        for (int64_t n = n0; n < n1; ++n)
+          y[r * ldy + n] = float(out[r][j][n - n0]) * (sx[r] * scale[n]);
+    }
+  }
+}
+#endif
+
 #if defined(BS_HAVE_AMX_TILES)
 inline bool amx_int8_usable() {
   static const bool ok = bs::amx_permitted() && __builtin_cpu_supports("amx-int8");
@@ -195,7 +253,9 @@ at::Tensor head_int8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int32_t* su = sums.data_ptr<int32_t>();
 #if defined(BS_HAVE_AVX512_PATH)
   // BATCHSPEC_CPU_HEAD_INT8_PORTABLE: the loop below even where VNNI is there (tests)
-  const bool vnni = vnni_usable() && std::getenv("BATCHSPEC_CPU_HEAD_INT8_PORTABLE") == nullptr;
+  const bool portable = std::getenv("BATCHSPEC_CPU_HEAD_INT8_PORTABLE") != nullptr;
+  const bool vnni = vnni_usable() && !portable;
+  const bool avx2 = !vnni && bs::avx2_usable() && !portable;
 #endif
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const int R = int(std::min<int64_t>(4, M - m0));
@@ -215,6 +275,15 @@ at::Tensor head_int8(const at::Tensor& x, const at::Tensor& packed, const at::Te
       }
       continue;
     }
+    if (avx2) {
+      switch (R) {
+        case 1: head_rows_avx2<1, 4>(xq, sx, wp, sc, NB, K4, N, yr, N); break;
+        case 2: head_rows_avx2<2, 2>(xq, sx, wp, sc, NB, K4, N, yr, N); break;
+        case 3: head_rows_avx2<3, 1>(xq, sx, wp, sc, NB, K4, N, yr, N); break;
+        default: head_rows_avx2<4, 1>(xq, sx, wp, sc, NB, K4, N, yr, N); break;
+      }
+      continue;
+    }
 #endif
     for (int r = 0; r < R; ++r)   // the same integer sums, one at a time
       for (int64_t n = 0; n < N; ++n) {
@@ -229,9 +298,10 @@ at::Tensor head_int8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return y;
 }
 
+// whether the layer has a vectorised path here (VNNI or AVX2), not only the scalar loop
 bool head_int8_fast() {
 #if defined(BS_HAVE_AVX512_PATH)
-  return vnni_usable();
+  return vnni_usable() || bs::avx2_usable();
 #else
   return false;
 #endif

@@ -264,9 +264,11 @@ def head_int8_reference(x, packed, scale, N):
 @pytest.mark.parametrize("portable", [False, True])
 def test_int8_head_is_its_integer_reference(ops, portable, monkeypatch):
     """The int8 output layer of drafts: the VNNI path (up to 7 rows), the AMX-INT8 one (8 and
-    more) and the portable loop give the integer reference's logits bit for bit (1-40 rows,
-    widths on and off multiples of 4, 16 and 64, bf16 and fp32 rows, a row of zeros), within
-    the rounding of the reference's own logits."""
+    more), the AVX2 one (CPUs without VNNI) and the portable loop give the integer
+    reference's logits bit for bit (1-40 rows, widths on and off multiples of 4, 16 and 64,
+    bf16 and fp32 rows, a row of zeros, and the largest products: weights and codes all
+    +-127, whose pairs of products the AVX2 path adds in int16), within the rounding of the
+    reference's own logits."""
     if portable:
         monkeypatch.setenv("BATCHSPEC_CPU_HEAD_INT8_PORTABLE", "1")
     g = torch.Generator().manual_seed(0)
@@ -285,3 +287,13 @@ def test_int8_head_is_its_integer_reference(ops, portable, monkeypatch):
         assert torch.equal(y, head_int8_reference(x, packed, scale, N)), (N, K, M, dtype)
         exact = x.float() @ w.float().T
         assert (y - exact).abs().max() <= 0.03 * exact.abs().max()
+    # every weight +-127 after quantization and every code +-127: each pair of products at
+    # 2 * 127 * 127, next to int16's limit
+    w = torch.sign(torch.randn(64, 256, generator=g))
+    w[w == 0] = 1.0
+    x = torch.ones(3, 256)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    packed, scale, sums = ops.pack_head_int8(w)
+    y = ops.head_int8(x, packed, scale, sums, 64)
+    assert torch.equal(y, head_int8_reference(x, packed, scale, 64))

@@ -54,11 +54,12 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
         assert o.token_ids == p.token_ids
 
 
-@pytest.mark.parametrize("head", ["int8", "bf16", "fp32", "fp32-onednn"])
+@pytest.mark.parametrize("head", ["int8", "bf16", "fp32", "fp32-onednn", "fp32-int8"])
 def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch):
     """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with
     packed weights (bf16: AMX tiles, or oneDNN on CPUs with AVX-512 but no AMX; fp32: the
-    AVX2 op, or oneDNN with BATCHSPEC_CPU_LINEAR=onednn): the tokens, q and the keys and values
+    AVX2 op, or oneDNN with BATCHSPEC_CPU_LINEAR=onednn; int8 output layers in bf16 and
+    fp32 drafts): the tokens, q and the keys and values
     written are the step-by-step loop's, bit for bit, for greedy and sampled rows side by
     side (with and without top-k and top-p), ragged pending feeds (one longer
     than a short row: its first step takes the forward, the rest the call) and ragged draft
@@ -73,7 +74,7 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     if head == "fp32-onednn":
         monkeypatch.setenv("BATCHSPEC_CPU_LINEAR", "onednn")
     draft = model_factory("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
-                          num_kv_heads=1, tie_word_embeddings=head == "int8")
+                          num_kv_heads=1, tie_word_embeddings=head.endswith("int8"))
     g = torch.Generator().manual_seed(0)
     ctx = [30, 15, 47, 9, 12]   # steps cross blocks (block size 16)
     tables = [[7, 3, 12, 0], [5, 9], [1, 2, 4, 6], [8, 10], [11, 13, 14]]
@@ -83,14 +84,16 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     top_k, top_p = [0, 0, 20, 0, 0], [1.0, 0.9, 1.0, 0.8, 1.0]    # filters, on rows 2 and 3
 
     dtype = "float32" if head.startswith("fp32") else "bfloat16"
-    layouts = {"fp32": ("avx2",), "fp32-onednn": ("onednn",)}.get(head, ("amx", "onednn"))
+    layouts = {"fp32": ("avx2",), "fp32-onednn": ("onednn",),
+               "fp32-int8": ("avx2", "onednn")}.get(head, ("amx", "onednn"))
 
     def propose(cpp: bool):
         runner = ModelRunner(draft, "cpu", dtype)
         if runner.model.weight_layout not in layouts:
             pytest.skip(f"no packed {dtype} weights on this CPU (the C++ draft steps need them)")
-        if head == "int8" and not (load(False).head_int8_fast() and runner.use_int8_head()):
-            pytest.skip("no AVX512-VNNI: no int8 output layer")
+        if head.endswith("int8") and not (load(False).head_int8_fast() and
+                                          runner.use_int8_head()):
+            pytest.skip("no AVX512-VNNI or AVX2: no int8 output layer")
         runner.allocate_kv_cache(64, 16)
         if not cpp:
             runner._steps = False            # as where the op is not available
@@ -371,7 +374,7 @@ def test_adaptive_k_is_exact_and_measures_costs(tiny_llama, tiny_draft, plain):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_drafts_output_layer_in_int8(tiny_llama, model_factory, plain, tied, monkeypatch):
-    """On CPUs with AVX512-VNNI a draft's forwards take an int8 copy of its output layer
+    """On CPUs with AVX512-VNNI or AVX2 a draft's forwards take an int8 copy of its output layer
     (tied to the embeddings or its own): its logits move by the rounding only, a row's
     logits are the same in any batch (so sampled drafts do not depend on the batch), greedy
     outputs stay plain decoding's, and BATCHSPEC_CPU_DRAFT_HEAD=bf16 keeps bf16."""
@@ -384,7 +387,7 @@ def test_drafts_output_layer_in_int8(tiny_llama, model_factory, plain, tied, mon
     model = llm.engine.proposers["default"].runner.model
     if not load(False).head_int8_fast():
         assert model.int8_head is None
-        pytest.skip("no AVX512-VNNI: drafts keep the bf16 output layer")
+        pytest.skip("no AVX512-VNNI or AVX2: drafts keep their output layer")
     assert model.int8_head is not None
     hidden = torch.randn(9, 32)
     int8 = model.compute_logits(hidden)

@@ -51,7 +51,7 @@ class Engine:
             if path not in runners:
                 runners[path] = ModelRunner(path, c.devices[0], c.dtype, c.attention_backend)
                 self._check_draft(path, runners[path])
-                runners[path].use_int8_head()   # a draft's logits may round (CPU, VNNI)
+                runners[path].use_int8_head()   # a draft's logits may round (CPU: VNNI, AVX2)
             self.proposers[name] = DraftModelProposer(runners[path], c.confidence_threshold)
             self.source_label[name] = path
         # drafts whose rows draft from lookups (alone or routed): what those find changes with

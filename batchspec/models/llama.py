@@ -220,17 +220,18 @@ class LlamaForCausalLM(nn.Module):
 
     def use_int8_head(self, head: Callable[[], torch.Tensor]) -> bool:
         """Compute logits with an int8 copy of the output layer, head() [vocab, hidden]
-        (kernels/head_int8_cpu.cpp), instead of the bf16 one, which is dropped; for a draft
-        model on a CPU with AVX512-VNNI: the logits move by the rounding (about 1% of their
-        range), which a draft may do, since
-        verification judges its drafts by the probabilities it used. Every forward uses it,
-        whatever its rows: a row's logits are then the same in any batch (its quantization
-        and integer sums are its own), so a request's draft, and its sampled tokens, do not
-        depend on the rows it runs with. At one row it reads half the bytes of the bf16 layer
-        (12.5 against 34 us for the demo drafts); from 8 rows on it runs on AMX-INT8 tiles
-        where the CPU has them (the same integer sums), 79 against 147 us at 32 rows
-        (benchmarks/bench_cpu_ops.py). False (and nothing changes) on other devices and
-        CPUs, under tensor parallelism, or with BATCHSPEC_CPU_DRAFT_HEAD=bf16."""
+        (kernels/head_int8_cpu.cpp), instead of the bf16 or fp32 one, which is dropped; for a
+        draft model on a CPU with AVX512-VNNI or AVX2: the logits move by the rounding (about
+        1% of their range), which a draft may do, since verification judges its drafts by
+        the probabilities it used. Every forward uses it, whatever its rows: a row's logits
+        are then the same in any batch (its quantization and integer sums are its own), so a
+        request's draft, and its sampled tokens, do not depend on the rows it runs with. At
+        one row it reads half the bytes of the bf16 layer (12.5 against 34 us for the demo
+        drafts, VNNI) or a quarter of the fp32 one (28 against 57 us warm, AVX2); from 8 rows
+        on it runs on AMX-INT8 tiles where the CPU has them (the same integer sums), 79
+        against 147 us at 32 rows (benchmarks/bench_cpu_ops.py). False (and nothing changes)
+        on other devices and CPUs, under tensor parallelism, or with
+        BATCHSPEC_CPU_DRAFT_HEAD=bf16 (the layer in the model's dtype)."""
         if self.embed.device.type != "cpu" or self.tp.size > 1 or \
                 os.environ.get("BATCHSPEC_CPU_DRAFT_HEAD", "int8") != "int8":
             return False
