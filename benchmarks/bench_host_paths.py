@@ -9,7 +9,9 @@ C++ call against the step-by-step loop (BATCHSPEC_CPU_DRAFT_STEPS=python); --com
 attention: the C++ attention kernel by its default path (AMX, AVX-512 or AVX2, as the CPU
 has them) against its portable one (BATCHSPEC_CPU_ATTENTION_PORTABLE=1); --compare linear:
 the linear layers' C++ op (AMX for bf16, AVX2 for fp32) against oneDNN's product
-(BATCHSPEC_CPU_LINEAR=onednn). The last two change plain decoding too: plain decoding with the
+(BATCHSPEC_CPU_LINEAR=onednn); --compare compact-weights: fp32 models' weights of bf16 values
+(bf16 checkpoints) stored in bf16 for the AVX2 op against stored in fp32
+(BATCHSPEC_CPU_LINEAR=avx2-fp32). The last three change plain decoding too: plain decoding with the
 path off runs beside the others (its own ratio to plain is what the path is worth to it), and
 `--method plain` measures plain decoding alone.
 
@@ -51,7 +53,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--domain", default=None, help="prompts of one domain [code and docs]")
     ap.add_argument("--compare", choices=("host-paths", "draft-head", "draft-steps",
-                                          "attention", "linear"),
+                                          "attention", "linear", "compact-weights"),
                     default="host-paths")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -72,6 +74,8 @@ def main():
                                           ("default attention", "portable attention")),
                             "linear": ("BATCHSPEC_CPU_LINEAR", None, "onednn",
                                        ("C++ linears", "oneDNN linears")),
+                            "compact-weights": ("BATCHSPEC_CPU_LINEAR", None, "avx2-fp32",
+                                                ("bf16-stored weights", "fp32-stored")),
                             }[args.compare]
 
     def switch(value):
@@ -81,7 +85,7 @@ def main():
             os.environ[env] = value
     variants = {"plain": ("plain", on), f"{args.method} ({labels[0]})": (args.method, on),
                 f"{args.method} ({labels[1]})": (args.method, off)}
-    if args.compare in ("attention", "linear") and args.method != "plain":
+    if args.compare in ("attention", "linear", "compact-weights") and args.method != "plain":
         variants[f"plain ({labels[1]})"] = ("plain", off)
     llms = {}
     for name, (method, value) in variants.items():    # (each switch is read at load)

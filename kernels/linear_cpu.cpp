@@ -49,8 +49,10 @@ constexpr int64_t N_BLOCK = 16;   // output features per block of the packed wei
 // KB), since the tiles read them again for every pair of feature blocks; at least 32
 inline int64_t row_chunk(int64_t Kp) { return std::max<int64_t>(32, (16384 / Kp) / 32 * 32); }
 
-// [N, K] -> the packed layout above of its dtype (any CPU: it is plain indexing)
-at::Tensor pack_linear_weight(const at::Tensor& w) {
+// [N, K] -> the packed layout above of its dtype (any CPU: it is plain indexing). An fp32
+// weight whose every value is a bf16 number (a bf16 checkpoint run in fp32) is stored in
+// bf16 unless compact is false: the same values in half the bytes, read back exactly.
+at::Tensor pack_linear_weight(const at::Tensor& w, bool compact) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
               "pack_linear_weight: needs a 2-d bf16 or fp32 weight [out, in]");
   const int64_t N = w.size(0), K = w.size(1);
@@ -58,7 +60,13 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
     const int64_t Np = (N + N_BLOCK - 1) / N_BLOCK * N_BLOCK;
     auto padded = at::zeros({Np, K}, w.options());
     padded.narrow(0, 0, N).copy_(w);
-    return padded.view({Np / N_BLOCK, N_BLOCK, K}).permute({0, 2, 1}).contiguous();
+    auto blocks = padded.view({Np / N_BLOCK, N_BLOCK, K}).permute({0, 2, 1});
+    const auto bf16 = blocks.to(at::kBFloat16);
+    if (!compact || !at::equal(bf16.to(at::kFloat), blocks)) return blocks.contiguous();
+    // the order load_weights16 reads: features 0-3, 8-11, 4-7, 12-15
+    const auto order = at::tensor({0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15},
+                                  w.options().dtype(at::kLong));
+    return bf16.index_select(2, order).contiguous();
   }
   const int64_t Np = (N + N_BLOCK - 1) / N_BLOCK * N_BLOCK;
   const int64_t Kp = (K + K_TILE - 1) / K_TILE * K_TILE;
@@ -148,8 +156,23 @@ std::pair<at::Tensor, at::Tensor> rows_and_output(const at::Tensor& x, int64_t K
 // registers (left to the default order, GCC stores them to the stack every input).
 constexpr int64_t PREFETCH_ROWS = 32;
 
-template <int MR, int NP, bool PREFETCH>
-BS_AVX2 void f32_block(const float* x, int64_t K, const float* w, const float* bias, float* y,
+// 16 weights of a block's row as two vectors of 8 fp32 features: fp32 as stored, or bf16
+// stored in the order [0-3, 8-11, 4-7, 12-15], which interleaving with zeros puts back in
+// order as the exact fp32 values (a bf16 number is the upper half of its float)
+template <typename W>
+BS_AVX2 void load_weights16(const W* p, __m256& lo, __m256& hi) {
+  if constexpr (std::is_same_v<W, float>) {
+    lo = _mm256_loadu_ps(p);
+    hi = _mm256_loadu_ps(p + 8);
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+  }
+}
+
+template <int MR, int NP, bool PREFETCH, typename W>
+BS_AVX2 void f32_block(const float* x, int64_t K, const W* w, const float* bias, float* y,
                        int64_t ldy, int64_t count) {
   __m256 acc[MR][NP][2];
   _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
@@ -157,13 +180,12 @@ BS_AVX2 void f32_block(const float* x, int64_t K, const float* w, const float* b
       acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
   const int64_t stride = K * N_BLOCK;
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * N_BLOCK;
+    const W* wk = w + k * N_BLOCK;
     if constexpr (PREFETCH)
       _mm_prefetch(reinterpret_cast<const char*>(wk + PREFETCH_ROWS * N_BLOCK), _MM_HINT_T0);
     __m256 wv[NP][2];
     _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) {
-      wv[p][0] = _mm256_loadu_ps(wk + p * stride);
-      wv[p][1] = _mm256_loadu_ps(wk + p * stride + 8);
+      load_weights16(wk + p * stride, wv[p][0], wv[p][1]);
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
@@ -193,23 +215,24 @@ BS_AVX2 void f32_block(const float* x, int64_t K, const float* w, const float* b
 }
 
 // up to 6 rows by one block of 16 features
-template <bool PREFETCH>
-BS_AVX2_FN void f32_rows(const float* x, int64_t rows, int64_t K, const float* w,
+template <bool PREFETCH, typename W>
+BS_AVX2_FN void f32_rows(const float* x, int64_t rows, int64_t K, const W* w,
                          const float* bias, float* y, int64_t ldy, int64_t count) {
   switch (rows) {
-    case 1: f32_block<1, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
-    case 2: f32_block<2, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
-    case 3: f32_block<3, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
-    case 4: f32_block<4, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
-    case 5: f32_block<5, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
-    default: f32_block<6, 1, PREFETCH>(x, K, w, bias, y, ldy, count); break;
+    case 1: f32_block<1, 1, PREFETCH, W>(x, K, w, bias, y, ldy, count); break;
+    case 2: f32_block<2, 1, PREFETCH, W>(x, K, w, bias, y, ldy, count); break;
+    case 3: f32_block<3, 1, PREFETCH, W>(x, K, w, bias, y, ldy, count); break;
+    case 4: f32_block<4, 1, PREFETCH, W>(x, K, w, bias, y, ldy, count); break;
+    case 5: f32_block<5, 1, PREFETCH, W>(x, K, w, bias, y, ldy, count); break;
+    default: f32_block<6, 1, PREFETCH, W>(x, K, w, bias, y, ldy, count); break;
   }
 }
 
 // Feature blocks [nb0, nb1) of y [M, N] for x [M, K]. Up to 3 rows: 4, 3 or 2 blocks at a
 // time, so that 8-12 sums are in flight with the weight read once. More rows: a block at a
 // time, 6 rows after 6 (the block stays in L1/L2 while the later rows reread it).
-BS_AVX2_FN void f32_linear_blocks(const float* x, int64_t M, int64_t K, const float* wp,
+template <typename W>
+BS_AVX2_FN void f32_linear_blocks(const float* x, int64_t M, int64_t K, const W* wp,
                                   int64_t nb0, int64_t nb1, const float* bias, float* y,
                                   int64_t N) {
   const int64_t stride = K * N_BLOCK;
@@ -217,18 +240,18 @@ BS_AVX2_FN void f32_linear_blocks(const float* x, int64_t M, int64_t K, const fl
   if (M <= 3) {
     const int64_t step = M == 1 ? 4 : M == 2 ? 3 : 2;
     for (int64_t nb = nb0; nb < nb1; nb += step) {
-      const float* w = wp + nb * stride;
+      const W* w = wp + nb * stride;
       float* yb = y + nb * N_BLOCK;
       const int64_t count = N - nb * N_BLOCK;
       if (nb + step > nb1) {   // the last blocks of the range, one at a time
         for (int64_t b = nb; b < nb1; ++b)
-          f32_rows<false>(x, M, K, wp + b * stride, at(b), y + b * N_BLOCK, N, N - b * N_BLOCK);
+          f32_rows<false, W>(x, M, K, wp + b * stride, at(b), y + b * N_BLOCK, N, N - b * N_BLOCK);
       } else if (M == 1) {
-        f32_block<1, 4, false>(x, K, w, at(nb), yb, N, count);
+        f32_block<1, 4, false, W>(x, K, w, at(nb), yb, N, count);
       } else if (M == 2) {
-        f32_block<2, 3, false>(x, K, w, at(nb), yb, N, count);
+        f32_block<2, 3, false, W>(x, K, w, at(nb), yb, N, count);
       } else {
-        f32_block<3, 2, false>(x, K, w, at(nb), yb, N, count);
+        f32_block<3, 2, false, W>(x, K, w, at(nb), yb, N, count);
       }
     }
     return;
@@ -237,21 +260,22 @@ BS_AVX2_FN void f32_linear_blocks(const float* x, int64_t M, int64_t K, const fl
     for (int64_t m = 0; m < M; m += 6) {
       const int64_t rows = std::min<int64_t>(6, M - m);
       if (m == 0)
-        f32_rows<true>(x, rows, K, wp + nb * stride, at(nb), y + nb * N_BLOCK, N, N - nb * N_BLOCK);
+        f32_rows<true, W>(x, rows, K, wp + nb * stride, at(nb), y + nb * N_BLOCK, N, N - nb * N_BLOCK);
       else
-        f32_rows<false>(x + m * K, rows, K, wp + nb * stride, at(nb), y + m * N + nb * N_BLOCK, N,
-                        N - nb * N_BLOCK);
+        f32_rows<false, W>(x + m * K, rows, K, wp + nb * stride, at(nb), y + m * N + nb * N_BLOCK,
+                           N, N - nb * N_BLOCK);
     }
 }
 #endif
 
-// x [..., K] fp32 . the fp32 packed weight (+ bias) -> [..., out_features]
+// x [..., K] fp32 . the weight of pack_linear_weight's fp32 layout, stored in fp32 or bf16
+// (+ bias) -> [..., out_features]
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
                       int64_t out_features, const std::optional<at::Tensor>& bias) {
   const int64_t K = x.size(-1), NB = packed.size(0);
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(2) == N_BLOCK,
-              "linear_packed: fp32 input and an fp32 weight from pack_linear_weight");
+              "linear_packed: fp32 input and a weight of pack_linear_weight's fp32 layout");
   TORCH_CHECK(K == in_features && packed.size(1) == K && out_features <= NB * N_BLOCK &&
                   NB * N_BLOCK - out_features < N_BLOCK,
               "linear_packed: the input's width or out_features does not match the weight");
@@ -271,9 +295,15 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_
   // feature blocks per task: about two million products each, so that small calls stay on
   // one thread
   const int64_t grain = std::max<int64_t>(4, (int64_t(1) << 21) / (M * K * N_BLOCK));
+  const bool compact = packed.scalar_type() == at::kBFloat16;
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-    f32_linear_blocks(x2.data_ptr<float>(), M, K, packed.data_ptr<float>(), b0, b1, bp,
-                      y.data_ptr<float>(), N);
+    if (compact)
+      f32_linear_blocks(x2.data_ptr<float>(), M, K,
+                        reinterpret_cast<const uint16_t*>(packed.data_ptr()), b0, b1, bp,
+                        y.data_ptr<float>(), N);
+    else
+      f32_linear_blocks(x2.data_ptr<float>(), M, K, packed.data_ptr<float>(), b0, b1, bp,
+                        y.data_ptr<float>(), N);
   });
   return y;
 #else
@@ -289,7 +319,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          bool float_out) {
-  if (packed.scalar_type() == at::kFloat)
+  if (packed.dim() == 3)   // the fp32 layout (x fp32)
     return linear_f32(x, packed, in_features, out_features, bias);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
                   packed.dim() == 4 && packed.is_contiguous(),
@@ -364,7 +394,7 @@ bool linear_amx_available() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
-  m.def("pack_linear_weight(Tensor w) -> Tensor");
+  m.def("pack_linear_weight(Tensor w, bool compact=True) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor packed, int in_features, int out_features, "
         "Tensor? bias, bool float_out=False) -> Tensor");
   m.def("linear_amx_available() -> bool", &linear_amx_available);

@@ -164,7 +164,8 @@ def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
     exact product, for widths that are and are not whole blocks (16 outputs), with and
     without a bias, through each register block (1, 2 and 3 rows over several blocks, up to
     6 rows over one); each row's result bit for bit the same alone, in a window of 5 rows or
-    among 200 (what keeps a verification window's logits those of decode steps)."""
+    among 200 (what keeps a verification window's logits those of decode steps); weights of
+    bf16 values stored in bf16 give the fp32-stored results bit for bit."""
     from batchspec.spec._build import load
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
@@ -187,6 +188,16 @@ def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
                      slice(150, 200)):
             assert torch.equal(ops.linear_packed(x[rows], packed, k, n, b), y[rows]), (n, k, rows)
         assert ops.linear_packed(x[:0], packed, k, n, b).shape == (0, n)
+        # weights that are all bf16 numbers (a bf16 checkpoint run in fp32) are stored in
+        # bf16, read back exactly: the same results bit for bit as stored in fp32
+        assert packed.dtype == torch.float32     # (randn: not bf16 numbers)
+        wb = w.bfloat16().float()
+        compact, full = ops.pack_linear_weight(wb), ops.pack_linear_weight(wb, False)
+        assert compact.dtype == torch.bfloat16 and full.dtype == torch.float32
+        yb = ops.linear_packed(x, compact, k, n, b)
+        assert torch.equal(yb, ops.linear_packed(x, full, k, n, b)), (n, k)
+        for rows in (slice(0, 1), slice(7, 9), slice(3, 6), slice(3, 20)):
+            assert torch.equal(ops.linear_packed(x[rows], compact, k, n, b), yb[rows]), (n, k)
     with pytest.raises(RuntimeError, match="does not match"):
         ops.linear_packed(x[:, :-1], packed, k, n, None)
 

@@ -77,22 +77,26 @@ def weight_packer(dtype: torch.dtype, device: torch.device) -> tuple[str, Callab
     - "amx": bf16 on CPUs with AMX tiles, the C++ op of kernels/linear_cpu.cpp, several times
       faster than oneDNN at decoding's row counts and the same for a row whatever its batch;
     - "avx2": fp32 on CPUs with AVX2 and FMA, the same op's fp32 path, 2-3x faster than
-      oneDNN at one row and 1.3-1.7x up to 64 rows, also the same for a row in any batch;
+      oneDNN at one row and 1.3-1.7x up to 64 rows, also the same for a row in any batch; a
+      weight whose values are all bf16 numbers (a bf16 checkpoint) is stored in bf16 and read
+      back exactly, half the bytes (BATCHSPEC_CPU_LINEAR=avx2-fp32 stores fp32);
     - "onednn": oneDNN's blocked layout (bf16 without AMX, or BATCHSPEC_CPU_LINEAR=onednn);
     - "none": F.linear (other devices, BATCHSPEC_CPU_PREPACK=0, or neither works).
     BATCHSPEC_CPU_LINEAR=onednn skips the C++ op (benchmarks and tests compare the two)."""
     if not prepack_available(dtype, device):
         return "none", lambda t: t
-    if os.environ.get("BATCHSPEC_CPU_LINEAR") != "onednn":
+    choice = os.environ.get("BATCHSPEC_CPU_LINEAR")
+    if choice != "onednn":
         layout = "amx" if dtype == torch.bfloat16 else "avx2"
+        compact = choice != "avx2-fp32"
         try:
             from batchspec.spec._build import load
             ops = load(False)
             if (ops.linear_amx_available() if layout == "amx" else ops.linear_f32_available()):
                 def pack_op(t: torch.Tensor) -> PackedWeight:
                     out_features, in_features = t.shape
-                    return PackedWeight(ops.pack_linear_weight(t.contiguous()), in_features,
-                                        out_features, ops.linear_packed)
+                    return PackedWeight(ops.pack_linear_weight(t.contiguous(), compact),
+                                        in_features, out_features, ops.linear_packed)
                 if _prepack_works(dtype, pack_op):
                     return layout, pack_op
         except Exception as e:  # noqa: BLE001 - no compiler: oneDNN
