@@ -8,7 +8,8 @@ reported.
 AMX; AVX-512 for the rest, else AVX2), by AVX-512 alone and AVX2 alone where the CPU has them,
 by its portable path, and through gather + SDPA (grouped matmuls in bf16).
 --compare linear: the linear layers as the C++ op (kernels/linear_cpu.cpp: bf16 on AMX tiles,
-fp32 on AVX2) against oneDNN on prepacked weights (BATCHSPEC_CPU_LINEAR=onednn).
+fp32 on AVX2, with a bf16 checkpoint's weights stored in bf16 and, beside it, in fp32) against
+oneDNN on prepacked weights (BATCHSPEC_CPU_LINEAR=onednn).
 --compare rmsnorm: the fused C++ RMSNorm (kernels/fused_cpu.cpp, residual add included)
 against the torch ops it replaces.
 --compare fused: every fused C++ op of a layer (RMSNorm, SwiGLU's silu(gate) * up, RoPE of q
@@ -94,17 +95,23 @@ def linear_paths(runner):
     if layout not in ("amx", "avx2"):
         sys.exit("the C++ linear op is unavailable here (bf16 on a CPU with AMX tiles, or fp32 "
                  "on a CPU with AVX2)")
-    os.environ["BATCHSPEC_CPU_LINEAR"] = "onednn"
-    other = ModelRunner(runner.path, "cpu", str(runner.model.dtype).removeprefix("torch."))
-    del os.environ["BATCHSPEC_CPU_LINEAR"]
-    assert other.model.weight_layout == "onednn"
+    def load(choice):
+        os.environ["BATCHSPEC_CPU_LINEAR"] = choice
+        model = ModelRunner(runner.path, "cpu", str(runner.model.dtype).removeprefix("torch."))
+        del os.environ["BATCHSPEC_CPU_LINEAR"]
+        return model.model
+    other = load("onednn")
+    assert other.weight_layout == "onednn"
 
     def use(model):
         def setup():
             runner.model.layers, runner.model.lm_head = model.layers, model.lm_head
         return setup
     mine = SimpleNamespace(layers=runner.model.layers, lm_head=runner.model.lm_head)
-    return {f"C++ linear op ({layout})": use(mine), "oneDNN": use(other.model)}
+    paths = {f"C++ linear op ({layout})": use(mine)}
+    if layout == "avx2":   # weights of bf16 values stored in bf16, and in fp32
+        paths["C++ op, fp32-stored"] = use(load("avx2-fp32"))
+    return paths | {"oneDNN": use(other)}
 
 
 def main():

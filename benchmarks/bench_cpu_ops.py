@@ -1,8 +1,9 @@
 """The CPU ops behind the engine's CPU choices, one thread:
 
 1. linear layers, `F.linear` vs weights prepacked for oneDNN vs the C++ op
-   (batchspec.models.llama, kernels/linear_cpu.cpp: bf16 on AMX tiles, fp32 on AVX2), with
-   the weights cycled through 48 MB so that they come from memory, as in decoding;
+   (batchspec.models.llama, kernels/linear_cpu.cpp: bf16 on AMX tiles, fp32 on AVX2, which
+   stores fp32 weights of bf16 values in bf16), with the weights cycled through 48 MB so
+   that they come from memory, as in decoding;
 2. attention of 32 short rows (4 query / 2 KV heads, head dim 64, 208 keys), SDPA vs the
    grouped matmuls batchspec uses for bf16 on CPU (batchspec.layers.attention);
 3. a layer's elementwise ops in bf16 at the demo target's widths (hidden 256, MLP 768), the
@@ -47,13 +48,20 @@ def main():
     packers = {dt: weight_packer(dt, torch.device("cpu")) for dt in (torch.bfloat16,
                                                                          torch.float32)}
     layout, pack_amx = packers[torch.bfloat16]
-    print("weight [out x in]  dtype     rows  F.linear us  prepacked us  C++ op us")
+    print("weight [out x in]  dtype       rows  F.linear us  prepacked us  C++ op us")
     shapes = [((1536, 256), torch.bfloat16, r) for r in (1, 5, 32, 160)] + \
         [((4096, 256), torch.bfloat16, 5)] + \
         [((1536, 256), torch.float32, r) for r in (1, 5, 32, 160)] + \
-        [((256, 768), torch.float32, r) for r in (1, 5)] + [((4096, 256), torch.float32, 5)]
+        [((256, 768), torch.float32, r) for r in (1, 5)] + [((4096, 256), torch.float32, 5)] + \
+        [((1536, 256), "bf16 values", r) for r in (1, 5, 32)]
     for (n, k), dt, rows in shapes:
+        # "bf16 values": fp32 weights that are bf16 numbers (a bf16 checkpoint run in fp32),
+        # which the AVX2 op stores in bf16
+        values = dt
+        dt = torch.float32 if dt == "bf16 values" else dt
         ws = [torch.randn(n, k, dtype=dt) for _ in range(max(4, (48 << 20) // (n * k * 2)))]
+        if values == "bf16 values":
+            ws = [w.bfloat16().float() for w in ws]
         x = torch.randn(rows, k, dtype=dt)
         plain = per_call_us(F.linear, [(x, w) for w in ws])
         try:   # oneDNN packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT)
@@ -63,7 +71,8 @@ def main():
         kind, pack = packers[dt]   # the C++ op: AMX (bf16), AVX2 (fp32), where the CPU has it
         mine = per_call_us(linear, [(x, pack(w)) for w in ws]) \
             if kind in ("amx", "avx2") else None
-        print(f"{n:>5} x {k:<9} {str(dt)[6:]:<9} {rows:>4} {plain:>12.1f} "
+        name = values if isinstance(values, str) else str(dt)[6:]
+        print(f"{n:>5} x {k:<9} {name:<11} {rows:>4} {plain:>10.1f} "
               f"{'-' if packed is None else f'{packed:.1f}':>13} "
               f"{'-' if mine is None else f'{mine:.1f}':>10}")
     B, hq, hkv, nq, ctx, d = 32, 4, 2, 1, 208, 64

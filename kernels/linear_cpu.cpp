@@ -19,7 +19,9 @@
 //   bench_cpu_ops.py). The weight becomes [ceil(N/16)][K][16], zero-padded: each block of 16
 //   features is K rows of 64 bytes, read front to back. A register block of rows x features
 //   (1 x 64, 2 x 48, 3 x 32, or up to 6 x 16) keeps 8-12 sums in registers, one fused
-//   multiply-add a row per input and 8 features.
+//   multiply-add a row per input and 8 features. A weight whose values are all bf16
+//   numbers (a bf16 checkpoint run in fp32) is stored in bf16 ([ceil(N/16)][K][16], 32-byte
+//   rows): the same fp32 values, exactly, from half the bytes.
 //
 // Each row of y is computed the same way whatever the other rows are (tiles: 32 inputs a
 // product, in order, into fp32; AVX2: one fused multiply-add chain per value, inputs in

@@ -25,7 +25,7 @@ PREPACK_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: decode/verify
 
 class PackedWeight(NamedTuple):
     """A linear weight packed for kernels/linear_cpu.cpp: bf16 for AMX tiles, or fp32 for
-    AVX2."""
+    AVX2 (stored in bf16 where its values are bf16 numbers)."""
     packed: torch.Tensor
     in_features: int
     out_features: int
