@@ -95,12 +95,13 @@ def linear_paths(runner):
     if layout not in ("amx", "avx2"):
         sys.exit("the C++ linear op is unavailable here (bf16 on a CPU with AMX tiles, or fp32 "
                  "on a CPU with AVX2)")
-    def load(choice):
+
+    def load_model(choice):   # the model again, its linear layers as BATCHSPEC_CPU_LINEAR says
         os.environ["BATCHSPEC_CPU_LINEAR"] = choice
         model = ModelRunner(runner.path, "cpu", str(runner.model.dtype).removeprefix("torch."))
         del os.environ["BATCHSPEC_CPU_LINEAR"]
         return model.model
-    other = load("onednn")
+    other = load_model("onednn")
     assert other.weight_layout == "onednn"
 
     def use(model):
@@ -110,7 +111,7 @@ def linear_paths(runner):
     mine = SimpleNamespace(layers=runner.model.layers, lm_head=runner.model.lm_head)
     paths = {f"C++ linear op ({layout})": use(mine)}
     if layout == "avx2":   # weights of bf16 values stored in bf16, and in fp32
-        paths["C++ op, fp32-stored"] = use(load("avx2-fp32"))
+        paths["C++ op, fp32-stored"] = use(load_model("avx2-fp32"))
     return paths | {"oneDNN": use(other)}
 
 
