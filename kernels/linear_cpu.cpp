@@ -15,8 +15,8 @@
 // - fp32 on CPUs with AVX2 and FMA (what the CPU's dtype is where it has no bf16
 //   arithmetic). oneDNN's fp32 product with the weight prepacked reads a weight at a third of
 //   the speed the memory gives at one row (the demo target's 25 products: 2.3-2.8 ms a
-//   forward against 0.8-1.1 here) and 1.3-1.7x slower up to 64 rows (benchmarks/
-//   bench_cpu_ops.py). The weight becomes [ceil(N/16)][K][16], zero-padded: each block of 16
+//   forward against 0.8-1.1 here), about 2x slower at 5 rows, 1.2-1.3x at 32-64 and about
+//   the same from 160 (benchmarks/bench_cpu_ops.py). The weight becomes [ceil(N/16)][K][16], zero-padded: each block of 16
 //   features is K rows of 64 bytes, read front to back. A register block of rows x features
 //   (1 x 64, 2 x 48, 3 x 32, or up to 6 x 16) keeps 8-12 sums in registers, one fused
 //   multiply-add a row per input and 8 features. A weight whose values are all bf16
@@ -144,6 +144,18 @@ std::pair<at::Tensor, at::Tensor> rows_and_output(const at::Tensor& x, int64_t K
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   return {x.reshape({-1, K}).contiguous(), at::empty(shape, x.options().dtype(dtype))};
+}
+
+// the bias as fp32, zero-padded to the packed weight's Np features (empty: no bias)
+std::vector<float> bias_values(const std::optional<at::Tensor>& bias, int64_t N, int64_t Np) {
+  std::vector<float> b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "linear_packed: bias must have out_features values");
+    auto bf = bias->to(at::kFloat).contiguous();
+    b.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + N);
+    b.resize(size_t(Np), 0.f);
+  }
+  return b;
 }
 
 #if defined(BS_HAVE_AVX512_PATH)   // x86-64: the AVX2 path below, taken where avx2_usable()
@@ -288,12 +300,8 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_
   std::tie(x2, y) = rows_and_output(x, K, N, at::kFloat);
   const int64_t M = x2.size(0);
   if (M == 0) return y;
-  at::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "linear_packed: bias must have out_features values");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const std::vector<float> b = bias_values(bias, N, NB * N_BLOCK);
+  const float* bp = b.empty() ? nullptr : b.data();
   // feature blocks per task: about two million products each, so that small calls stay on
   // one thread
   const int64_t grain = std::max<int64_t>(4, (int64_t(1) << 21) / (M * K * N_BLOCK));
@@ -337,13 +345,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   std::tie(x2, y) = rows_and_output(x, K, N, float_out ? at::kFloat : at::kBFloat16);
   const int64_t M = x2.size(0);
   if (M == 0) return y;
-  std::vector<float> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "linear_packed: bias must have out_features values");
-    auto bf = bias->to(at::kFloat).contiguous();
-    b.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + N);
-    b.resize(NB * N_BLOCK, 0.f);
-  }
+  const std::vector<float> b = bias_values(bias, N, NB * N_BLOCK);
   // x's rows as tiles read them: in place where its width is whole tiles, except the last
   // 16 rows when they are fewer (those, or all of x when its width is not, are copied to a
   // zero-padded buffer)

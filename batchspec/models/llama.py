@@ -59,14 +59,17 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None,
 
 
 def _prepack_works(dtype: torch.dtype, pack: Callable) -> bool:
-    """One product checked against F.linear before a model relies on packed weights."""
+    """Products checked against F.linear before a model relies on packed weights: of a
+    weight in dtype and of one whose values are bf16 numbers (which the AVX2 op stores in
+    bf16)."""
     try:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(48, 40, generator=g).to(dtype)
         x = torch.randn(21, 40, generator=g).to(dtype)
         with torch.inference_mode():
-            got = linear(x, pack(w)).float()
-        return bool(torch.allclose(got, F.linear(x, w).float(), rtol=2e-2, atol=5e-2))
+            return all(bool(torch.allclose(linear(x, pack(v)).float(), F.linear(x, v).float(),
+                                           rtol=2e-2, atol=5e-2))
+                       for v in (w, w.bfloat16().to(dtype)))
     except Exception as e:  # noqa: BLE001 - any failure means: use F.linear
         log.warning("packed linear weights unavailable (%s); using F.linear", e)
         return False
@@ -76,8 +79,8 @@ def weight_packer(dtype: torch.dtype, device: torch.device) -> tuple[str, Callab
     """How a model on CPU stores its linear weights, and the function that packs one:
     - "amx": bf16 on CPUs with AMX tiles, the C++ op of kernels/linear_cpu.cpp, several times
       faster than oneDNN at decoding's row counts and the same for a row whatever its batch;
-    - "avx2": fp32 on CPUs with AVX2 and FMA, the same op's fp32 path, 2-3x faster than
-      oneDNN at one row and 1.3-1.7x up to 64 rows, also the same for a row in any batch; a
+    - "avx2": fp32 on CPUs with AVX2 and FMA, the same op's fp32 path, about 2x faster
+      than oneDNN at 1-5 rows and 1.2-1.3x at 32-64, also the same for a row in any batch; a
       weight whose values are all bf16 numbers (a bf16 checkpoint) is stored in bf16 and read
       back exactly, half the bytes (BATCHSPEC_CPU_LINEAR=avx2-fp32 stores fp32);
     - "onednn": oneDNN's blocked layout (bf16 without AMX, or BATCHSPEC_CPU_LINEAR=onednn);
