@@ -13,9 +13,10 @@
 4. a draft's output layer (the demo drafts' 4,096 x 192) in bf16 on AMX tiles vs its int8
    copy (kernels/head_int8_cpu.cpp: AVX512-VNNI up to 7 rows, AMX-INT8 tiles from 8), at
    1-64 rows, the weight read warm as in a round's draft steps;
-5. a round of a demo draft's k = 4 greedy steps at 1-32 rows (contexts of 120 tokens; bf16
+5. a round of a demo draft's k = 4 steps at 1-32 rows (contexts of 120 tokens; bf16
    where the CPU computes bf16, else fp32): one C++ call (kernels/draft_steps_cpu.cpp) vs
-   the runner's forward and the argmax per step.
+   the runner's forward and the argmax per step; and the call sampling at T = 0.8 (q and
+   the draw every step).
 
     python benchmarks/bench_cpu_ops.py
 """
@@ -126,8 +127,8 @@ def draft_steps(k: int = 4, ctx: int = 120):
     runner.allocate_kv_cache(32 * per_row, 16)
     if not runner.steps_in_one_call:
         return
-    print(f"\na round of the demo code draft's {k} greedy steps ({dtype}), us per round: one "
-          f"C++ call / forward and argmax per step")
+    print(f"\na round of the demo code draft's {k} steps ({dtype}), us per round: one C++ "
+          f"call / forward and argmax per step (greedy), and one C++ call sampled at T = 0.8")
     for rows in (1, 8, 32):
         tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
         runner.forward([list(range(1, ctx + 1))] * rows, [0] * rows, tables, [1] * rows)
@@ -138,11 +139,15 @@ def draft_steps(k: int = 4, ctx: int = 120):
                 logits = runner.forward(cur, [ctx + step] * rows, tables, [1] * rows)
                 cur = [[t] for t in greedy_tokens(logits).tolist()]
 
-        def call(rows, tables):
-            runner.draft_steps([[7]] * rows, [ctx] * rows, tables, [k] * rows)
+        def call(rows, tables, sampled=False):
+            sampling = ([0.8] * rows, list(range(rows)), [0] * rows, [0] * rows,
+                        [1.0] * rows) if sampled else None
+            runner.draft_steps([[7]] * rows, [ctx] * rows, tables, [k] * rows,
+                               sampling=sampling)
 
-        one, step_by_step = (per_call_us(f, [(rows, tables)] * 100) for f in (call, loop))
-        print(f"{rows:>4} rows: {one:8.1f} / {step_by_step:8.1f}")
+        one, step_by_step, sampled = (per_call_us(f, [(rows, tables)] * 100) for f in (
+            call, loop, lambda *a: call(*a, sampled=True)))
+        print(f"{rows:>4} rows: {one:8.1f} / {step_by_step:8.1f}   sampled {sampled:8.1f}")
 
 
 if __name__ == "__main__":

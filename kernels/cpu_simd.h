@@ -140,6 +140,13 @@ BS_AVX2 float reduce_max8(__m256 x) {
   return _mm_cvtss_f32(m);
 }
 
+BS_AVX2 float reduce_min8(__m256 x) {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_min_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
 BS_AVX2 float reduce_add8(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

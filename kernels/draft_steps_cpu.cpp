@@ -75,8 +75,9 @@ using RopeF = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Ten
 using AttentionF = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                         const Tensor&, double, int64_t, Tensor&);
 using HeadF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
-using UniformF = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
 using RowProbsF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using SoftmaxF = Tensor(const Tensor&, const Tensor&);
+using DrawF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
 
 struct Ops {
   c10::TypedOperatorHandle<LinearF> linear = typed<LinearF>("linear_packed");
@@ -87,8 +88,9 @@ struct Ops {
   c10::TypedOperatorHandle<AttentionF> attention = typed<AttentionF>("paged_decode_attention");
   c10::TypedOperatorHandle<HeadF> head_int8 = typed<HeadF>("head_int8");
   c10::TypedOperatorHandle<UnaryF> argmax = typed<UnaryF>("argmax_rows");
-  c10::TypedOperatorHandle<UniformF> uniform = typed<UniformF>("uniform");
   c10::TypedOperatorHandle<RowProbsF> row_probs = typed<RowProbsF>("row_probs");
+  c10::TypedOperatorHandle<SoftmaxF> softmax_rows = typed<SoftmaxF>("softmax_rows");
+  c10::TypedOperatorHandle<DrawF> draw_rows = typed<DrawF>("draw_rows");
 };
 
 const Ops& ops() {
@@ -223,10 +225,9 @@ std::tuple<Tensor, Tensor> draft_steps(
     Tensor next = op.argmax.call(logits);
     if (sampling) {
       // DraftModelProposer.propose's draw, op for op: q = draft_probs (with a filter, the row
-      // filter's probabilities; else target_probs), an inverse-CDF draw keyed like
-      // verification, argmax for T = 0 rows
+      // filter's probabilities; else softmax_rows), draw_rows keyed like verification, argmax
+      // for T = 0 rows
       const Tensor act = tensor(active), t = temperature->index_select(0, act);
-      const Tensor greedy = t.eq(0);
       const Tensor tk = top_k.has_value() ? top_k->index_select(0, act) : Tensor();
       const Tensor tp = top_p.has_value() ? top_p->index_select(0, act) : Tensor();
       Tensor q;
@@ -235,19 +236,13 @@ std::tuple<Tensor, Tensor> draft_steps(
         q = op.row_probs.call(logits, at::where(t.gt(0), t, 1.0),
                               tk.defined() ? tk.to(at::kInt) : at::zeros({M}, i64.dtype(at::kInt)),
                               tp.defined() ? tp : at::ones({M}, t.options()));
-      } else {                                                  // target_probs
-        const Tensor inv = at::reciprocal(at::where(t.gt(0), t, 1.0)) * 1.0;
-        const Tensor z = logits * inv.unsqueeze(1);
-        const Tensor e = at::exp(z - z.amax({-1}, true));
-        q = e / e.sum({-1}, true);
+      } else {                                                  // verify.softmax_probs
+        q = op.softmax_rows.call(logits, t);
       }
-      const Tensor u = op.uniform.call(seeds->index_select(0, act),
-                                       offsets->index_select(0, act),
-                                       at::full({M}, first_step + s, i64), stream, 0);
-      const Tensor cdf = at::cumsum(q, -1);
-      const Tensor drawn = at::searchsorted(cdf, (u * cdf.select(1, V - 1)).unsqueeze(-1))
-                               .squeeze(-1);
-      next = at::where(greedy, next, drawn.clamp_max(V - 1)).contiguous();
+      const Tensor drawn = op.draw_rows.call(q, seeds->index_select(0, act),
+                                             offsets->index_select(0, act),
+                                             at::full({M}, first_step + s, i64), stream);
+      next = at::where(t.eq(0), next, drawn).contiguous();
       probs.select(1, s).index_copy_(0, act, q);
     }
     const int64_t* nx = next.data_ptr<int64_t>();

@@ -1,16 +1,18 @@
 // Host-only passes over one row of logits for verify_core.h, included by the CPU build only:
 // the row's max, min and sum of exp (row_filter), top-k's counts and top-k/top-p's sums
 // above a threshold, the greedy argmax, and the corrected draw's weights max(0, p - q).
-// AVX-512 over fp32 and bf16 rows, 16 tokens at a time, where the generic loops visit one
-// token at a time and call expf for each: a speculating row at T > 0 runs row_filter once per
-// draft it judges, so these passes are most of verification's work on the host.
+// AVX-512 over fp32 and bf16 rows, 16 tokens at a time, and AVX2 8 at a time (the tail past
+// the last whole vector one token at a time), where the generic loops visit one token at a
+// time and call expf for each: a speculating row at T > 0 runs row_filter once per draft it
+// judges, so these passes are most of verification's work on the host.
 //
-// Sums run in 16 lanes and exp is exp16 (cpu_simd.h, ~2e-7 relative, about one float ulp):
-// the same last-bit differences as between the backends already (docs/verification.md,
-// "Backends and tolerance"). Counts, maxima and the argmax are exact. Each function returns
-// false (or -1, or nullptr) where it does not apply, and the caller runs its generic loop:
-// fp16 rows, rows shorter than 16 tokens, no AVX-512, a NaN or +inf among the scaled logits
-// (malformed input keeps the generic loop's behaviour), or BATCHSPEC_VERIFY_HOST_DRAW=0.
+// Sums run in 16 (or 8) lanes and exp is exp16 / exp8 (cpu_simd.h, ~2e-7 relative, about one
+// float ulp): the same last-bit differences as between the backends already
+// (docs/verification.md, "Backends and tolerance"). Counts, maxima and the argmax are exact.
+// Each function returns false (or -1, or nullptr) where it does not apply, and the caller
+// runs its generic loop: fp16 rows, rows shorter than a vector, a CPU without AVX2, a NaN or
+// +inf among the scaled logits (malformed input keeps the generic loop's behaviour), or
+// BATCHSPEC_VERIFY_HOST_DRAW=0.
 #pragma once
 #include <atomic>
 #include <cmath>
@@ -172,45 +174,92 @@ BS_ROW_AVX512 void residual_avx512(const T* row, int V, float inv_t, float thres
 }
 #endif
 
-// ---- what verify_core.h calls --------------------------------------------------------------
-template <typename T>
-bool host_row_lse(const T* row, int V, float inv_t, float& m, float& zmin, float& s) {
 #if defined(BS_HAVE_AVX512_PATH)
-  if (vec_row<T>(V)) return row_lse_avx512(row, V, inv_t, m, zmin, s);
-#endif
-  return false;
-}
+// ---- AVX2 (CPUs without AVX-512: AMD Zen 1-3, Intel client cores): the same passes 8 tokens
+// at a time, the tail past the last whole vector by the scalar exp_nonpositive
+#define BS_ROW_AVX2 __attribute__((target("avx2,fma")))
 
 template <typename T>
-bool host_sum_exp_above(const T* row, int V, float inv_t, float m, float thresh, bool strict,
-                        float& s) {
-#if defined(BS_HAVE_AVX512_PATH)
-  if (vec_row<T>(V)) {
-    s = sum_exp_above_avx512(row, V, inv_t, m, thresh, strict);
-    return true;
+inline bool avx2_row(int V) { return vec_row_on<T>(V, 8, avx2_usable()); }
+
+template <typename T>
+BS_ROW_AVX2 bool row_lse_avx2(const T* row, int V, float inv_t, float& m, float& zmin, float& s) {
+  const int whole = V / 8 * 8;
+  const __m256 it = _mm256_set1_ps(inv_t), pinf = _mm256_set1_ps(INFINITY);
+  __m256 vmax = _mm256_set1_ps(-INFINITY), vmin = pinf, bad = _mm256_setzero_ps();
+  for (int i = 0; i < whole; i += 8) {
+    const __m256 z = _mm256_mul_ps(load8(row + i), it);
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(z, z, _CMP_UNORD_Q),
+                                         _mm256_cmp_ps(z, pinf, _CMP_EQ_OQ)));
+    vmax = _mm256_max_ps(vmax, z);
+    vmin = _mm256_min_ps(vmin, z);
   }
-#endif
-  return false;
+  if (_mm256_movemask_ps(bad)) return false;
+  m = reduce_max8(vmax);
+  zmin = reduce_min8(vmin);
+  for (int i = whole; i < V; ++i) {
+    const float z = to_float(row[i]) * inv_t;
+    if (z != z || z == INFINITY) return false;
+    m = z > m ? z : m;
+    zmin = z < zmin ? z : zmin;
+  }
+  s = 0.f;
+  if (m == -INFINITY) return true;
+  const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
+  __m256 acc = _mm256_setzero_ps();
+  for (int i = 0; i < whole; i += 8) {
+    const __m256 z = _mm256_mul_ps(load8(row + i), it);
+    const __m256 live = _mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ);
+    acc = _mm256_add_ps(acc, _mm256_and_ps(live, exp8(_mm256_sub_ps(z, vm))));
+  }
+  s = reduce_add8(acc);
+  for (int i = whole; i < V; ++i) {
+    const float z = to_float(row[i]) * inv_t;
+    if (z != -INFINITY) s += exp_nonpositive(z - m);
+  }
+  return true;
 }
 
 template <typename T>
-bool host_count_at_least(const T* row, int V, float inv_t, float x, float& n) {
-#if defined(BS_HAVE_AVX512_PATH)
-  if (vec_row<T>(V)) {
-    n = float(count_at_least_avx512(row, V, inv_t, x));
-    return true;
+BS_ROW_AVX2 float sum_exp_above_avx2(const T* row, int V, float inv_t, float m, float thresh,
+                                     bool strict) {
+  const int whole = V / 8 * 8;
+  const __m256 it = _mm256_set1_ps(inv_t), vm = _mm256_set1_ps(m), th = _mm256_set1_ps(thresh),
+               ninf = _mm256_set1_ps(-INFINITY);
+  __m256 acc = _mm256_setzero_ps();
+  for (int i = 0; i < whole; i += 8) {
+    const __m256 z = _mm256_mul_ps(load8(row + i), it);
+    const __m256 keep = _mm256_and_ps(strict ? _mm256_cmp_ps(z, th, _CMP_GT_OQ)
+                                             : _mm256_cmp_ps(z, th, _CMP_GE_OQ),
+                                      _mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ));
+    acc = _mm256_add_ps(acc, _mm256_and_ps(keep, exp8(_mm256_sub_ps(z, vm))));
   }
-#endif
-  return false;
+  float s = reduce_add8(acc);
+  for (int i = whole; i < V; ++i) {
+    const float z = to_float(row[i]) * inv_t;
+    if ((strict ? z > thresh : z >= thresh) && z != -INFINITY) s += exp_nonpositive(z - m);
+  }
+  return s;
 }
 
-#if defined(BS_HAVE_AVX512_PATH)
+template <typename T>
+BS_ROW_AVX2 int count_at_least_avx2(const T* row, int V, float inv_t, float x) {
+  const int whole = V / 8 * 8;
+  const __m256 it = _mm256_set1_ps(inv_t), vx = _mm256_set1_ps(x);
+  int n = 0;
+  for (int i = 0; i < whole; i += 8)
+    n += __builtin_popcount(unsigned(_mm256_movemask_ps(
+        _mm256_cmp_ps(_mm256_mul_ps(load8(row + i), it), vx, _CMP_GE_OQ))));
+  for (int i = whole; i < V; ++i) n += to_float(row[i]) * inv_t >= x;
+  return n;
+}
+
 // The argmax on CPUs with AVX2 but not AVX-512 (the drafts' greedy tokens every step, the
 // target's at T=0): the maximum 8 lanes at a time, then its first index; -1 where the row
 // has a NaN (the caller's loop takes the first, as torch does). A row of 4,096 fp32 logits
 // took 21 us in that loop.
 template <typename T>
-__attribute__((target("avx2,fma"))) int argmax_avx2(const T* row, int V) {
+BS_ROW_AVX2 int argmax_avx2(const T* row, int V) {
   const int whole = V / 8 * 8;
   __m256 vmax = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
   for (int i = 0; i < whole; i += 8) {
@@ -234,13 +283,98 @@ __attribute__((target("avx2,fma"))) int argmax_avx2(const T* row, int V) {
     if (to_float(row[i]) == m) return i;
   return -1;
 }
+
+// q = softmax(x * inv_t) of an fp32 row (tokens at -inf get 0): the max, then exp(z - max)
+// into q with their sum, then q / sum; false (q untouched) for a NaN or +inf, or a row all
+// -inf: the caller's loop gives what torch gives
+BS_ROW_AVX2 inline bool softmax_avx2(const float* row, int V, float inv_t, float* q) {
+  const int whole = V / 8 * 8;
+  float m, zmin, s;
+  if (!row_lse_avx2(row, V, inv_t, m, zmin, s) || m == -INFINITY) return false;
+  const __m256 it = _mm256_set1_ps(inv_t), vm = _mm256_set1_ps(m), vs = _mm256_set1_ps(s),
+               ninf = _mm256_set1_ps(-INFINITY);
+  for (int i = 0; i < whole; i += 8) {
+    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(row + i), it);
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ),
+                                   exp8(_mm256_sub_ps(z, vm)));
+    _mm256_storeu_ps(q + i, _mm256_div_ps(e, vs));
+  }
+  for (int i = whole; i < V; ++i) {
+    const float z = row[i] * inv_t;
+    q[i] = z != -INFINITY ? exp_nonpositive(z - m) / s : 0.f;
+  }
+  return true;
+}
+
+template <typename T>
+BS_ROW_AVX2 void residual_avx2(const T* row, int V, float inv_t, float thresh, float m, float s,
+                               const float* q_row, int draft, float* w) {
+  const int whole = V / 8 * 8;
+  const __m256 it = _mm256_set1_ps(inv_t), vm = _mm256_set1_ps(m), vs = _mm256_set1_ps(s),
+               th = _mm256_set1_ps(thresh), ninf = _mm256_set1_ps(-INFINITY);
+  for (int i = 0; i < whole; i += 8) {
+    const __m256 z = _mm256_mul_ps(load8(row + i), it);
+    const __m256 kept = _mm256_and_ps(_mm256_cmp_ps(z, th, _CMP_GE_OQ),
+                                      _mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ));
+    const __m256 p = _mm256_and_ps(kept, _mm256_div_ps(exp8(_mm256_sub_ps(z, vm)), vs));
+    const __m256 q = q_row ? _mm256_loadu_ps(q_row + i) : _mm256_setzero_ps();
+    _mm256_storeu_ps(w + i, _mm256_sub_ps(p, q));
+  }
+  for (int i = whole; i < V; ++i) {
+    const float z = to_float(row[i]) * inv_t;
+    const float p = z >= thresh && z != -INFINITY ? exp_nonpositive(z - m) / s : 0.f;
+    w[i] = p - (q_row ? q_row[i] : 0.f);
+  }
+  if (!q_row && 0 <= draft && draft < V) w[draft] -= 1.f;
+}
 #endif
+
+// ---- what verify_core.h calls --------------------------------------------------------------
+template <typename T>
+bool host_row_lse(const T* row, int V, float inv_t, float& m, float& zmin, float& s) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (vec_row<T>(V)) return row_lse_avx512(row, V, inv_t, m, zmin, s);
+  if (avx2_row<T>(V)) return row_lse_avx2(row, V, inv_t, m, zmin, s);
+#endif
+  return false;
+}
+
+template <typename T>
+bool host_sum_exp_above(const T* row, int V, float inv_t, float m, float thresh, bool strict,
+                        float& s) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (vec_row<T>(V)) {
+    s = sum_exp_above_avx512(row, V, inv_t, m, thresh, strict);
+    return true;
+  }
+  if (avx2_row<T>(V)) {
+    s = sum_exp_above_avx2(row, V, inv_t, m, thresh, strict);
+    return true;
+  }
+#endif
+  return false;
+}
+
+template <typename T>
+bool host_count_at_least(const T* row, int V, float inv_t, float x, float& n) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (vec_row<T>(V)) {
+    n = float(count_at_least_avx512(row, V, inv_t, x));
+    return true;
+  }
+  if (avx2_row<T>(V)) {
+    n = float(count_at_least_avx2(row, V, inv_t, x));
+    return true;
+  }
+#endif
+  return false;
+}
 
 template <typename T>
 int host_argmax(const T* row, int V) {
 #if defined(BS_HAVE_AVX512_PATH)
   if (vec_row<T>(V)) return argmax_avx512(row, V);
-  if (vec_row_on<T>(V, 8, avx2_usable())) return argmax_avx2(row, V);
+  if (avx2_row<T>(V)) return argmax_avx2(row, V);
 #endif
   return -1;
 }
@@ -250,14 +384,24 @@ template <typename T>
 const float* host_residual(const T* row, int V, float inv_t, float thresh, float m, float s,
                            const float* q_row, int draft) {
 #if defined(BS_HAVE_AVX512_PATH)
-  if (vec_row<T>(V)) {
+  const bool wide = vec_row<T>(V);
+  if (wide || avx2_row<T>(V)) {
     thread_local std::vector<float> w;
     w.resize(size_t(V));
-    residual_avx512(row, V, inv_t, thresh, m, s, q_row, draft, w.data());
+    if (wide) residual_avx512(row, V, inv_t, thresh, m, s, q_row, draft, w.data());
+    else residual_avx2(row, V, inv_t, thresh, m, s, q_row, draft, w.data());
     return w.data();
   }
 #endif
   return nullptr;
+}
+
+// q = softmax(x * inv_t) of an fp32 row by the vectorised pass; false: the caller's loop
+inline bool host_softmax(const float* row, int V, float inv_t, float* q) {
+#if defined(BS_HAVE_AVX512_PATH)
+  if (avx2_row<float>(V)) return softmax_avx2(row, V, inv_t, q);
+#endif
+  return false;
 }
 
 }  // namespace bs

@@ -12,9 +12,16 @@ import torch
 
 import tests.test_verify as reference_tests
 from batchspec.spec import _build
-from batchspec.spec.rng import uniform
-from batchspec.spec.verify import greedy_tokens, rejection_sample, resolve_backend, target_probs
-from tests.test_verify import SAMPLING_CASES, call, check_sampling_is_exact
+from batchspec.spec.rng import STREAM_DRAFT, uniform
+from batchspec.spec.verify import (
+    draw_tokens,
+    greedy_tokens,
+    rejection_sample,
+    resolve_backend,
+    softmax_probs,
+    target_probs,
+)
+from tests.test_verify import SAMPLING_CASES, assert_distributed_as, call, check_sampling_is_exact
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +59,48 @@ def test_filtered_probs_match_reference(ops):
     _, p_ref = target_probs(logits, temperature, top_k, top_p)
     assert torch.equal(p_cpu > 0, p_ref > 0)
     torch.testing.assert_close(p_cpu, p_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("host", ["1", "0"])
+def test_draft_softmax_matches_reference(ops, host, monkeypatch):
+    """A draft's q without filters (softmax_probs: the twin's one pass a row, vectorised or,
+    with BATCHSPEC_VERIFY_HOST_DRAW=0, torch's ops) is target_probs' within the backends'
+    tolerance: the same tokens at 0 (-inf logits), T = 0 rows at T = 1, widths on and off
+    a multiple of 8; a row with a NaN or +inf, or all -inf, gives what torch gives."""
+    monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", host)
+    g = torch.Generator().manual_seed(2)
+    for V in (5, 8, 300, 4101):
+        logits = torch.randn(12, V, generator=g) * 4
+        logits[2, ::3] = float("-inf")
+        temperature = torch.tensor([0.0, 0.3, 0.8, 1.0, 1.7, 3.0] * 2)
+        q, ref = softmax_probs(logits, temperature), target_probs(logits, temperature)[1]
+        assert torch.equal(q > 0, ref > 0)
+        torch.testing.assert_close(q, ref, rtol=1e-5, atol=1e-6)
+    bad = torch.randn(3, 40, generator=g)
+    bad[0, 7], bad[1, 3], bad[2] = float("nan"), float("inf"), float("-inf")
+    torch.testing.assert_close(softmax_probs(bad, torch.ones(3)),
+                               target_probs(bad, torch.ones(3))[1], equal_nan=True)
+
+
+def test_draft_draws_follow_q(ops):
+    """A draft's sampled tokens (draw_tokens: the twin's inverse-CDF draw over blocks of 8)
+    are distributed as q (chi-square, rows that do not sum to 1 included), never a token of
+    q = 0, the same token for the same key, and another key draws anew."""
+    g = torch.Generator().manual_seed(3)
+    trials = 6000
+    for V in (3, 37, 300):
+        q = torch.softmax(torch.randn(V, generator=g) * 2, -1)
+        q[1::4] = 0.0
+        q = q * 0.7                                          # mass 0.7: normalised by the draw
+        seeds = torch.full((trials,), 11)
+        tokens = draw_tokens(q.repeat(trials, 1), seeds, torch.arange(trials),
+                             torch.zeros(trials, dtype=torch.int64), STREAM_DRAFT)
+        assert (q[tokens] > 0).all()
+        p = q.double().numpy()
+        assert_distributed_as(tokens.numpy(), p / p.sum())
+        again = draw_tokens(q.repeat(4, 1), seeds[:4], torch.arange(4),
+                            torch.zeros(4, dtype=torch.int64), STREAM_DRAFT)
+        assert torch.equal(again, tokens[:4])
 
 
 def random_batch(seed, B, V, dtype, with_q, alignment=1.0):

@@ -21,8 +21,8 @@ import torch
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sequence import Sequence
 from batchspec.layers.attention import DECODE_MAX_Q
-from batchspec.spec.rng import STREAM_DRAFT, uniform_compiled
-from batchspec.spec.verify import filtered_probs, greedy_tokens
+from batchspec.spec.rng import STREAM_DRAFT
+from batchspec.spec.verify import draw_tokens, filtered_probs, greedy_tokens, softmax_probs
 from batchspec.spec.verify_torch import target_probs
 
 
@@ -53,17 +53,18 @@ def row_filters(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[
 
 def draft_probs(logits: torch.Tensor, temperature: torch.Tensor, seqs: list[Sequence]):
     """The draft's sampling distribution q [R, V]: temperature, top-k, top-p by the same
-    rule as the target's p (verify_torch.target_probs; with a filter on the CPU, the C++
-    row filter: verify.filtered_probs); T = 0 rows use T = 1 (their q only serves the
-    confidence rule)."""
+    rule as the target's p (verify_torch.target_probs; on the CPU the C++ twin's row passes:
+    verify.filtered_probs with a filter, verify.softmax_probs without); T = 0 rows use T = 1
+    (their q only serves the confidence rule)."""
     top_k, top_p = row_filters(seqs, logits.shape[-1])
     if any(top_k) or any(p < 1.0 for p in top_p):
         q = filtered_probs(logits, temperature, top_k, top_p)
         if q is not None:
             return q
-    return target_probs(logits, temperature,
-                        torch.tensor(top_k) if any(top_k) else None,
-                        torch.tensor(top_p) if any(p < 1.0 for p in top_p) else None)[1]
+        return target_probs(logits, temperature,
+                            torch.tensor(top_k) if any(top_k) else None,
+                            torch.tensor(top_p) if any(p < 1.0 for p in top_p) else None)[1]
+    return softmax_probs(logits, temperature)
 
 
 class DraftModelProposer:
@@ -102,12 +103,10 @@ class DraftModelProposer:
                 greedy = temps == 0
                 q = draft_probs(logits, temps, seqs)                    # [A, V]
             if not all_greedy:  # inverse-CDF draw from q, keyed like verification
-                u = uniform_compiled(torch.tensor([s.seed for s in seqs]),
-                                     torch.tensor([s.num_output_tokens for s in seqs]),
-                                     torch.full((len(seqs),), step), STREAM_DRAFT)
-                cdf = torch.cumsum(q, dim=-1)
-                sampled = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-                tokens = torch.where(greedy, tokens, sampled.clamp(max=q.shape[-1] - 1))
+                sampled = draw_tokens(q, torch.tensor([s.seed for s in seqs]),
+                                      torch.tensor([s.num_output_tokens for s in seqs]),
+                                      torch.full((len(seqs),), step), STREAM_DRAFT)
+                tokens = torch.where(greedy, tokens, sampled)
             # confidence: the draft's probability of its own token (greedy rows: at T=1)
             conf = None if self.threshold == 0 else q.gather(1, tokens[:, None]).squeeze(1)
             token_list = tokens.tolist()

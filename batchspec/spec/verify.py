@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from batchspec.spec import _build
+from batchspec.spec.rng import uniform_compiled
 from batchspec.spec.verify_torch import filter_logits, rejection_sample_torch, target_probs
 
 __all__ = ["rejection_sample", "verify", "VerifyMetadata", "resolve_backend", "filter_logits",
            "target_probs", "rejection_sample_torch", "BACKENDS", "greedy_tokens",
-           "filtered_probs"]
+           "filtered_probs", "softmax_probs", "draw_tokens"]
 
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 _warned = False
@@ -100,7 +101,20 @@ def rejection_sample(target_logits, draft_probs, draft_token_ids, cu_num_draft, 
     return ops.rejection_sample(*args, max_n)
 
 
-_argmax_op = None
+_cpu_ops: dict[str, object] = {}
+
+
+def _cpu_op(name: str):
+    """The C++ twin's CPU op `name` (loaded once), or None without the kernel."""
+    if name not in _cpu_ops:
+        _cpu_ops[name] = getattr(_build.load(False), name) if _kernel_ok(False) else None
+    return _cpu_ops[name]
+
+
+def _cpu_rows(x: torch.Tensor) -> bool:
+    """Whether x is what the twin's row ops take: contiguous fp32 [R, V > 0] on the CPU."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and \
+        x.is_contiguous() and x.shape[1] > 0
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -108,16 +122,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     Contiguous fp32 logits on the CPU go through the C++ twin's vectorised pass (torch's op
     takes about 2 ns a token on one thread: 0.3 ms a draft step at 32 rows of 4,096 tokens),
     others (and a machine without the kernel) through torch."""
-    global _argmax_op
-    if _argmax_op is None:
-        _argmax_op = _build.load(False).argmax_rows if _kernel_ok(False) else False
-    if _argmax_op and logits.device.type == "cpu" and logits.dtype == torch.float32 and \
-            logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0:
-        return _argmax_op(logits)
-    return logits.argmax(-1)
-
-
-_row_probs_op = None
+    op = _cpu_op("argmax_rows")
+    return op(logits) if op is not None and _cpu_rows(logits) else logits.argmax(-1)
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
@@ -128,15 +134,38 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[
     top_k at most V (0: off), top_p (1: off). Sorting every row of a vocabulary cost a
     draft step about 4 ms at 8 rows of 4,096 tokens. None without the kernel: the caller
     uses target_probs."""
-    global _row_probs_op
-    if _row_probs_op is None:
-        _row_probs_op = _build.load(False).row_probs if _kernel_ok(False) else False
-    if not _row_probs_op or logits.device.type != "cpu" or logits.dtype != torch.float32 or \
-            logits.dim() != 2 or not logits.is_contiguous():
+    op = _cpu_op("row_probs")
+    if op is None or not _cpu_rows(logits):
         return None
     t = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)
-    return _row_probs_op(logits, t, torch.tensor(top_k, dtype=torch.int32),
-                         torch.tensor(top_p, dtype=torch.float32))
+    return op(logits, t, torch.tensor(top_k, dtype=torch.int32),
+              torch.tensor(top_p, dtype=torch.float32))
+
+
+def softmax_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """q = softmax(logits / T) [R, V] fp32, T = 0 rows at T = 1: a draft's distribution
+    without filters. Contiguous fp32 CPU logits go through the C++ twin's one pass a row
+    (`softmax_rows`, exp to ~2e-7 relative as the verification op's), others through
+    target_probs."""
+    op = _cpu_op("softmax_rows")
+    if op is not None and _cpu_rows(logits):
+        return op(logits, temperature.to(torch.float32).contiguous())
+    return target_probs(logits, temperature)[1]
+
+
+def draw_tokens(q: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
+                positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """One token per row of q [R, V] (>= 0), by the inverse CDF at the keyed uniform of
+    (seed, offset, position, stream), as verification keys its draws: a draft's sampled
+    tokens. On the CPU the C++ twin's `draw_rows` (a token of q = 0 is never drawn); on
+    other devices torch's cumsum and searchsorted."""
+    op = _cpu_op("draw_rows")
+    if op is not None and _cpu_rows(q):
+        return op(q, seeds, offsets, positions, stream)
+    u = uniform_compiled(seeds, offsets, positions, stream).to(q.device)
+    cdf = torch.cumsum(q, dim=-1)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    return drawn.clamp(max=q.shape[-1] - 1)
 
 
 @dataclass
