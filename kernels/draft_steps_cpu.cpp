@@ -13,9 +13,10 @@
 //
 // The forward is LlamaForCausalLM.forward's (batchspec/models/llama.py) for a model with
 // packed linear weights (AMX, AVX2 or oneDNN), the fused C++ layer ops, the C++ paged
-// attention, no q/k norm, no bias, no sliding window and one rank; the draw is DraftModelProposer.propose's, top-k and
-// top-p included. The same ops in the same order on the same inputs, so the logits, q and
-// the tokens are the Python loop's bit for bit (tested). The Python side decides when it
+// attention, no q/k norm, no bias, no sliding window and one rank; the draw is
+// DraftModelProposer.propose's, top-k and top-p included (draft_draw.h's rows, which the
+// loop calls through softmax_rows and draw_rows). The same ops in the same order on the same
+// inputs, so the logits, q and the tokens are the Python loop's bit for bit (tested). The Python side decides when it
 // applies (ModelRunner.draft_steps).
 //
 // weights:     embed, cos, sin, final norm, the head (int8: packed, scales, sums; else the
@@ -44,6 +45,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "draft_draw.h"
 
 #ifndef BS_NS
 #define BS_NS batchspec
@@ -76,8 +79,6 @@ using AttentionF = void(const Tensor&, const Tensor&, const Tensor&, const Tenso
                         const Tensor&, double, int64_t, Tensor&);
 using HeadF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
 using RowProbsF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-using SoftmaxF = Tensor(const Tensor&, const Tensor&);
-using DrawF = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
 
 struct Ops {
   c10::TypedOperatorHandle<LinearF> linear = typed<LinearF>("linear_packed");
@@ -89,8 +90,6 @@ struct Ops {
   c10::TypedOperatorHandle<HeadF> head_int8 = typed<HeadF>("head_int8");
   c10::TypedOperatorHandle<UnaryF> argmax = typed<UnaryF>("argmax_rows");
   c10::TypedOperatorHandle<RowProbsF> row_probs = typed<RowProbsF>("row_probs");
-  c10::TypedOperatorHandle<SoftmaxF> softmax_rows = typed<SoftmaxF>("softmax_rows");
-  c10::TypedOperatorHandle<DrawF> draw_rows = typed<DrawF>("draw_rows");
 };
 
 const Ops& ops() {
@@ -163,11 +162,23 @@ std::tuple<Tensor, Tensor> draft_steps(
   const bool sampling = temperature.has_value();
   TORCH_CHECK(!sampling || (seeds.has_value() && offsets.has_value() &&
                             temperature->scalar_type() == at::kFloat &&
+                            seeds->scalar_type() == at::kLong &&
+                            offsets->scalar_type() == at::kLong &&
                             temperature->numel() == R && seeds->numel() == R &&
                             offsets->numel() == R),
               "draft_steps: fp32 temperature with int64 seeds and offsets, one per row");
-  // q of every step of every row: the draft's distribution its tokens were drawn from (past
-  // a row's steps: unset, and never read)
+  // each row's draw key and temperature, read per step
+  std::vector<float> temp;
+  std::vector<int64_t> seed, offset;
+  if (sampling) {
+    const Tensor t = temperature->contiguous(), sd = seeds->contiguous(), of = offsets->contiguous();
+    temp.assign(t.data_ptr<float>(), t.data_ptr<float>() + R);
+    seed.assign(sd.data_ptr<int64_t>(), sd.data_ptr<int64_t>() + R);
+    offset.assign(of.data_ptr<int64_t>(), of.data_ptr<int64_t>() + R);
+  }
+  std::vector<float> draw_scratch;   // draw_row's
+  // q of every step of every sampled row: the draft's distribution its tokens were drawn
+  // from (past a row's steps, and a T = 0 row's: unset, and never read)
   Tensor probs = sampling ? at::empty({R, most, V}, feed.options().dtype(at::kFloat))
                           : at::empty({0}, feed.options().dtype(at::kFloat));
   for (int64_t s = 0; s < most; ++s) {
@@ -224,26 +235,35 @@ std::tuple<Tensor, Tensor> draft_steps(
     }
     Tensor next = op.argmax.call(logits);
     if (sampling) {
-      // DraftModelProposer.propose's draw, op for op: q = draft_probs (with a filter, the row
-      // filter's probabilities; else softmax_rows), draw_rows keyed like verification, argmax
-      // for T = 0 rows
-      const Tensor act = tensor(active), t = temperature->index_select(0, act);
+      // DraftModelProposer.propose's draw, row by row into the row's q: q = draft_probs
+      // (with a filter, the row filter's probabilities; else draft_draw.h's softmax_row, as
+      // softmax_rows), the draw of draft_draw.h keyed like verification; T = 0 rows keep
+      // the argmax (their q is never read)
+      TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+                  "draft_steps: fp32 logits");
+      const Tensor act = tensor(active);
       const Tensor tk = top_k.has_value() ? top_k->index_select(0, act) : Tensor();
       const Tensor tp = top_p.has_value() ? top_p->index_select(0, act) : Tensor();
-      Tensor q;
+      Tensor filtered;
       if ((tk.defined() && tk.ne(0).any().item<bool>()) ||
           (tp.defined() && tp.lt(1.0).any().item<bool>())) {   // verify.filtered_probs
-        q = op.row_probs.call(logits, at::where(t.gt(0), t, 1.0),
-                              tk.defined() ? tk.to(at::kInt) : at::zeros({M}, i64.dtype(at::kInt)),
-                              tp.defined() ? tp : at::ones({M}, t.options()));
-      } else {                                                  // verify.softmax_probs
-        q = op.softmax_rows.call(logits, t);
+        const Tensor t = temperature->index_select(0, act);
+        filtered = op.row_probs.call(logits, at::where(t.gt(0), t, 1.0),
+                                     tk.defined() ? tk.to(at::kInt) : at::zeros({M}, i64.dtype(at::kInt)),
+                                     tp.defined() ? tp : at::ones({M}, t.options()));
       }
-      const Tensor drawn = op.draw_rows.call(q, seeds->index_select(0, act),
-                                             offsets->index_select(0, act),
-                                             at::full({M}, first_step + s, i64), stream);
-      next = at::where(t.eq(0), next, drawn).contiguous();
-      probs.select(1, s).index_copy_(0, act, q);
+      int64_t* nx = next.data_ptr<int64_t>();
+      for (int64_t a = 0; a < M; ++a) {
+        const int64_t r = active[a];
+        if (!(temp[r] > 0.f)) continue;
+        float* q = probs.data_ptr<float>() + (r * most + s) * V;
+        if (filtered.defined())
+          std::copy_n(filtered.data_ptr<float>() + a * V, V, q);
+        else
+          bs::softmax_row(logits.data_ptr<float>() + a * V, int(V), 1.f / temp[r], q);
+        nx[a] = bs::draw_row(q, int(V), bs::draw_uniform(seed[r], offset[r], first_step + s, stream),
+                             draw_scratch);
+      }
     }
     const int64_t* nx = next.data_ptr<int64_t>();
     for (int64_t a = 0; a < M; ++a) {

@@ -6,11 +6,11 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
 
+#include "draft_draw.h"
 #include "verify_core.h"
 
 #ifdef BS_WITH_CUDA
@@ -143,10 +143,9 @@ Tensor argmax_rows(const Tensor& logits) {
 }
 
 // The drafts' distributions q = softmax(logits / T) of fp32 rows (T = 0 rows at T = 1, as
-// verify_torch.target_probs), each row in one vectorised pass where the CPU has AVX2
-// (exp8: ~2e-7 relative, as the verification passes), else torch's ops in the same order:
-// a draft step at T > 0 spent about 0.1 ms at one row in the ten torch calls of this and the
-// draw.
+// verify_torch.target_probs), and their draws: draft_draw.h's rows, for the step-by-step
+// loop (the draft-steps op calls them directly). A draft step at T > 0 had spent about
+// 0.1 ms at one row in the ten torch calls they replace.
 Tensor softmax_rows(const Tensor& logits, const Tensor& temperature) {
   TORCH_CHECK(logits.is_cpu() && logits.dim() == 2 && logits.is_contiguous() &&
                   logits.scalar_type() == at::kFloat,
@@ -156,54 +155,14 @@ Tensor softmax_rows(const Tensor& logits, const Tensor& temperature) {
   TORCH_CHECK(temperature.numel() == R, "softmax_rows: one temperature per row");
   Tensor q = at::empty({R, V}, logits.options());
   bs::host_paths_on() = bs::host_draw_env();
-  const float* x = logits.data_ptr<float>();
   const float* t = temperature.data_ptr<float>();
-  float* o = q.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float inv_t = 1.f / (t[r] > 0.f ? t[r] : 1.f);
-    if (bs::host_softmax(x + r * V, int(V), inv_t, o + r * V)) continue;
-    const Tensor z = logits.select(0, r).mul(inv_t);
-    const Tensor e = z.sub(z.amax({-1}, true)).exp();
-    q.select(0, r).copy_(e.div(e.sum({-1}, true)));
-  }
+  for (int64_t r = 0; r < R; ++r)
+    bs::softmax_row(logits.data_ptr<float>() + r * V, int(V), 1.f / (t[r] > 0.f ? t[r] : 1.f),
+                    q.data_ptr<float>() + r * V);
   return q;
 }
 
-// One draw per row of q [R, V] (rows >= 0 that need not sum to 1), keyed by (seeds, offsets,
-// positions, stream) as verification keys its uniforms (word 0 of the call): the first
-// token whose running sum of q passes u times the row's total. The sums run over blocks of 8
-// tokens (each block's sum in a fixed order, then the blocks in turn), and one token at a
-// time within the block the target falls in; a token of q = 0 is never drawn. Tokens come
-// with probability q / total up to the rounding of the sums (~1e-7 relative).
-int draw_row(const float* q, int V, float u, std::vector<float>& blocks) {
-  const int nb = (V + 7) / 8;
-  blocks.resize(size_t(nb));
-  float total = 0.f;
-  for (int b = 0; b < nb; ++b) {
-    float x[8] = {};
-    for (int j = 0; j < 8 && 8 * b + j < V; ++j) x[j] = q[8 * b + j];
-    blocks[size_t(b)] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
-    total += blocks[size_t(b)];
-  }
-  const float target = u * total;
-  float c = 0.f;
-  for (int b = 0; b < nb; ++b) {
-    if (!(c + blocks[size_t(b)] > target)) {
-      c += blocks[size_t(b)];
-      continue;
-    }
-    int last = -1;   // the block's sums one token at a time may fall short by a rounding
-    for (int i = 8 * b; i < std::min(8 * b + 8, V); ++i) {
-      if (!(q[i] > 0.f)) continue;
-      c += q[i];
-      last = i;
-      if (c > target) return i;
-    }
-    if (last >= 0) return last;
-  }
-  return V - 1;    // (a row of NaN or no mass: malformed logits)
-}
-
+// One draw per row of q [R, V], keyed by (seeds, offsets, positions, stream)
 Tensor draw_rows(const Tensor& q, const Tensor& seeds, const Tensor& offsets,
                  const Tensor& positions, int64_t stream) {
   TORCH_CHECK(q.is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kFloat &&
@@ -217,10 +176,9 @@ Tensor draw_rows(const Tensor& q, const Tensor& seeds, const Tensor& offsets,
   Tensor out = at::empty({R}, seeds.options());
   std::vector<float> blocks;
   for (int64_t r = 0; r < R; ++r) {
-    const float u = bs::to_uniform(bs::philox_keyed(
-        uint64_t(seeds.data_ptr<int64_t>()[r]), uint64_t(offsets.data_ptr<int64_t>()[r]),
-        uint32_t(positions.data_ptr<int64_t>()[r]), uint32_t(stream), 0).w[0]);
-    out.data_ptr<int64_t>()[r] = draw_row(q.data_ptr<float>() + r * V, int(V), u, blocks);
+    const float u = bs::draw_uniform(seeds.data_ptr<int64_t>()[r], offsets.data_ptr<int64_t>()[r],
+                                     positions.data_ptr<int64_t>()[r], stream);
+    out.data_ptr<int64_t>()[r] = bs::draw_row(q.data_ptr<float>() + r * V, int(V), u, blocks);
   }
   return out;
 }

@@ -1,0 +1,81 @@
+// A model draft's sampling on the host, one row at a time: q = softmax(logits / T) and the
+// inverse-CDF draw from q, keyed as verification keys its uniforms. Shared by the ops
+// softmax_rows and draw_rows (verify_ops.cpp: the step-by-step loop's q and draw,
+// batchspec.spec.verify.softmax_probs and draw_tokens) and the draft-steps op
+// (draft_steps_cpu.cpp), so that both give the same tokens and q bit for bit.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "verify_core.h"
+
+namespace bs {
+
+// q = softmax(row * inv_t) (tokens at -inf get 0): one vectorised pass where the CPU has AVX2
+// (verify_host_rows.h, exp to ~2e-7 relative), else the loop below. A row with a NaN or +inf,
+// or all -inf, gets NaN throughout, as torch's softmax gives it.
+inline void softmax_row(const float* row, int V, float inv_t, float* q) {
+  if (host_softmax(row, V, inv_t, q)) return;
+  float m = -INFINITY;
+  bool bad = false;
+  for (int i = 0; i < V; ++i) {
+    const float z = row[i] * inv_t;
+    bad |= z != z || z == INFINITY;
+    m = z > m ? z : m;
+  }
+  if (bad || m == -INFINITY) {
+    std::fill(q, q + V, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  float s = 0.f;
+  for (int i = 0; i < V; ++i) {
+    q[i] = expf(row[i] * inv_t - m);
+    s += q[i];
+  }
+  for (int i = 0; i < V; ++i) q[i] /= s;
+}
+
+// The draw's uniform: word 0 of the keyed call, as rng.uniform(seed, offset, position, stream)
+inline float draw_uniform(int64_t seed, int64_t offset, int64_t position, int64_t stream) {
+  return to_uniform(philox_keyed(uint64_t(seed), uint64_t(offset), uint32_t(position),
+                                 uint32_t(stream), 0).w[0]);
+}
+
+// One draw from q [V] (>= 0, need not sum to 1): the first token whose running sum of q
+// passes u times the row's total. The sums run over blocks of 8 tokens (each block's sum in a
+// fixed order, then the blocks in turn), and one token at a time within the block the target
+// falls in; a token of q = 0 is never drawn. Tokens come with probability q / total up to the
+// rounding of the sums (~1e-7 relative). `blocks`: scratch, reused across rows.
+inline int draw_row(const float* q, int V, float u, std::vector<float>& blocks) {
+  const int nb = (V + 7) / 8;
+  blocks.resize(size_t(nb));
+  float total = 0.f;
+  for (int b = 0; b < nb; ++b) {
+    float x[8] = {};
+    for (int j = 0; j < 8 && 8 * b + j < V; ++j) x[j] = q[8 * b + j];
+    blocks[size_t(b)] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+    total += blocks[size_t(b)];
+  }
+  const float target = u * total;
+  float c = 0.f;
+  for (int b = 0; b < nb; ++b) {
+    if (!(c + blocks[size_t(b)] > target)) {
+      c += blocks[size_t(b)];
+      continue;
+    }
+    int last = -1;   // the block's sums one token at a time may fall short by a rounding
+    for (int i = 8 * b; i < std::min(8 * b + 8, V); ++i) {
+      if (!(q[i] > 0.f)) continue;
+      c += q[i];
+      last = i;
+      if (c > target) return i;
+    }
+    if (last >= 0) return last;
+  }
+  return V - 1;    // (a row of NaN or no mass: malformed logits)
+}
+
+}  // namespace bs
