@@ -138,6 +138,8 @@ std::tuple<Tensor, Tensor> draft_steps(
                   block_tables.size(0) == R,
               "draft_steps: feed_lens, positions, steps [R], block_tables [R, width]");
   const Ops& op = ops();
+  // the row passes' switch (BATCHSPEC_VERIFY_HOST_DRAW), read as the loop's ops read it
+  bs::host_paths_on() = bs::host_draw_env();
   const Tensor &embed = weights[0], &cos = weights[1], &sin = weights[2],
                &final_norm = weights[3];
   const int64_t qs = Hq * D, kvs = Hkv * D, W = block_tables.size(1);

@@ -54,7 +54,8 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
         assert o.token_ids == p.token_ids
 
 
-@pytest.mark.parametrize("head", ["int8", "bf16", "fp32", "fp32-onednn", "fp32-int8"])
+@pytest.mark.parametrize("head", ["int8", "bf16", "fp32", "fp32-onednn", "fp32-int8",
+                                  "fp32-generic"])
 def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch):
     """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with
     packed weights (bf16: AMX tiles, or oneDNN on CPUs with AVX-512 but no AMX; fp32: the
@@ -64,7 +65,9 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     side (with and without top-k and top-p), ragged pending feeds (one longer
     than a short row: its first step takes the forward, the rest the call) and ragged draft
     counts, with either bf16 output layer; in a job, greedy and sampled, the outputs and
-    acceptance counts are the loop's; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off."""
+    acceptance counts are the loop's; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off. With
+    the host row passes off (BATCHSPEC_VERIFY_HOST_DRAW=0: q by the scalar loop) the two
+    agree too."""
     from batchspec.engine.runner import ModelRunner
     from batchspec.engine.sequence import Sequence
     from batchspec.spec._build import load
@@ -73,6 +76,8 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
         monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_HEAD", "bf16")
     if head == "fp32-onednn":
         monkeypatch.setenv("BATCHSPEC_CPU_LINEAR", "onednn")
+    if head == "fp32-generic":
+        monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", "0")
     draft = model_factory("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
                           num_kv_heads=1, tie_word_embeddings=head.endswith("int8"))
     g = torch.Generator().manual_seed(0)
@@ -84,7 +89,7 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     top_k, top_p = [0, 0, 20, 0, 0], [1.0, 0.9, 1.0, 0.8, 1.0]    # filters, on rows 2 and 3
 
     dtype = "float32" if head.startswith("fp32") else "bfloat16"
-    layouts = {"fp32": ("avx2",), "fp32-onednn": ("onednn",),
+    layouts = {"fp32": ("avx2",), "fp32-generic": ("avx2",), "fp32-onednn": ("onednn",),
                "fp32-int8": ("avx2", "onednn")}.get(head, ("amx", "onednn"))
 
     def propose(cpp: bool):
