@@ -38,12 +38,6 @@ inline void softmax_row(const float* row, int V, float inv_t, float* q) {
   for (int i = 0; i < V; ++i) q[i] /= s;
 }
 
-// The draw's uniform: word 0 of the keyed call, as rng.uniform(seed, offset, position, stream)
-inline float draw_uniform(int64_t seed, int64_t offset, int64_t position, int64_t stream) {
-  return to_uniform(philox_keyed(uint64_t(seed), uint64_t(offset), uint32_t(position),
-                                 uint32_t(stream), 0).w[0]);
-}
-
 // One draw from q [V] (>= 0, need not sum to 1): the first token whose running sum of q
 // passes u times the row's total. The sums run over blocks of 8 tokens (each block's sum in a
 // fixed order, then the blocks in turn), and one token at a time within the block the target

@@ -16,8 +16,8 @@
 // attention, no q/k norm, no bias, no sliding window and one rank; the draw is
 // DraftModelProposer.propose's, top-k and top-p included (draft_draw.h's rows, which the
 // loop calls through softmax_rows and draw_rows). The same ops in the same order on the same
-// inputs, so the logits, q and the tokens are the Python loop's bit for bit (tested). The Python side decides when it
-// applies (ModelRunner.draft_steps).
+// inputs, so the logits, q and the tokens are the Python loop's bit for bit (tested). The
+// Python side decides when it applies (ModelRunner.draft_steps).
 //
 // weights:     embed, cos, sin, final norm, the head (int8: packed, scales, sums; else the
 //              packed layer), then per layer: input norm, post-attention norm, qkv, o,
@@ -243,7 +243,7 @@ std::tuple<Tensor, Tensor> draft_steps(
       // the argmax (their q is never read)
       TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.is_contiguous(),
                   "draft_steps: fp32 logits");
-      const Tensor act = tensor(active);
+      const Tensor act = top_k.has_value() || top_p.has_value() ? tensor(active) : Tensor();
       const Tensor tk = top_k.has_value() ? top_k->index_select(0, act) : Tensor();
       const Tensor tp = top_p.has_value() ? top_p->index_select(0, act) : Tensor();
       Tensor filtered;
@@ -263,8 +263,9 @@ std::tuple<Tensor, Tensor> draft_steps(
           std::copy_n(filtered.data_ptr<float>() + a * V, V, q);
         else
           bs::softmax_row(logits.data_ptr<float>() + a * V, int(V), 1.f / temp[r], q);
-        nx[a] = bs::draw_row(q, int(V), bs::draw_uniform(seed[r], offset[r], first_step + s, stream),
-                             draw_scratch);
+        const float u = bs::keyed_uniform(uint64_t(seed[r]), uint64_t(offset[r]),
+                                          uint32_t(first_step + s), uint32_t(stream), 0);
+        nx[a] = bs::draw_row(q, int(V), u, draw_scratch);
       }
     }
     const int64_t* nx = next.data_ptr<int64_t>();

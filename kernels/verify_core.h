@@ -58,6 +58,13 @@ BS_HD U4 philox_keyed(uint64_t seed, uint64_t offset, uint32_t position, uint32_
 // (2 * (bits >> 9) + 1) / 2^24: exact in fp32, strictly inside (0, 1).
 BS_HD float to_uniform(uint32_t bits) { return float((bits >> 9) * 2u + 1u) * 5.9604644775390625e-8f; }
 
+// One uniform of a key: word 0 of its call (rng.uniform): the accept tests, a draft's draw,
+// the `uniform` op
+BS_HD float keyed_uniform(uint64_t seed, uint64_t offset, uint32_t position, uint32_t stream,
+                          uint32_t index) {
+  return to_uniform(philox_keyed(seed, offset, position, stream, index).w[0]);
+}
+
 // Per-token uniforms of one draw; token i uses call i / 4, word i % 4 (cached per thread,
 // threads visit their tokens in increasing order).
 struct TokenUniforms {
@@ -255,7 +262,7 @@ BS_HD void verify_request(const VerifyParams& P, int b, const Group& g) {
       const bool ok = 0 <= x && x < V;
       const float px = ok ? prob(f, to_float(row[x]) * inv_t) : 0.f;
       const float qx = ok && P.draft_probs ? P.draft_probs[int64_t(start + a) * V + x] : 1.f;
-      const float u = to_uniform(philox_keyed(seed, offset, uint32_t(a), kStreamAccept, 0).w[0]);
+      const float u = keyed_uniform(seed, offset, uint32_t(a), kStreamAccept, 0);
       // q(x) = 0 (a draft the draft could not have sampled) is rejected, as an id outside
       // [0, V) is (px = 0): docs/verification.md, "Malformed drafts".
       if (!(qx > 0.f && u * qx < px)) break;   // early exit at the first rejection

@@ -176,21 +176,23 @@ Tensor draw_rows(const Tensor& q, const Tensor& seeds, const Tensor& offsets,
   Tensor out = at::empty({R}, seeds.options());
   std::vector<float> blocks;
   for (int64_t r = 0; r < R; ++r) {
-    const float u = bs::draw_uniform(seeds.data_ptr<int64_t>()[r], offsets.data_ptr<int64_t>()[r],
-                                     positions.data_ptr<int64_t>()[r], stream);
+    const float u = bs::keyed_uniform(uint64_t(seeds.data_ptr<int64_t>()[r]),
+                                      uint64_t(offsets.data_ptr<int64_t>()[r]),
+                                      uint32_t(positions.data_ptr<int64_t>()[r]), uint32_t(stream), 0);
     out.data_ptr<int64_t>()[r] = bs::draw_row(q.data_ptr<float>() + r * V, int(V), u, blocks);
   }
   return out;
 }
 
-// Test hooks: the C++ RNG and filtered probabilities, compared with the torch reference.
+// The C++ RNG (rng.uniform_compiled) and filtered probabilities (verify.filtered_probs),
+// each tested against its torch reference.
 Tensor uniform(const Tensor& seeds, const Tensor& offsets, const Tensor& positions, int64_t stream, int64_t index) {
   TORCH_CHECK(seeds.is_cpu() && seeds.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && positions.scalar_type() == at::kLong);
   auto s = seeds.contiguous(), o = offsets.contiguous(), p = positions.contiguous();
   Tensor u = at::empty({s.numel()}, s.options().dtype(at::kFloat));
   for (int64_t i = 0; i < s.numel(); ++i)
-    u.data_ptr<float>()[i] = bs::to_uniform(bs::philox_keyed(uint64_t(s.data_ptr<int64_t>()[i]), uint64_t(o.data_ptr<int64_t>()[i]),
-                                                             uint32_t(p.data_ptr<int64_t>()[i]), uint32_t(stream), uint32_t(index)).w[0]);
+    u.data_ptr<float>()[i] = bs::keyed_uniform(uint64_t(s.data_ptr<int64_t>()[i]), uint64_t(o.data_ptr<int64_t>()[i]),
+                                               uint32_t(p.data_ptr<int64_t>()[i]), uint32_t(stream), uint32_t(index));
   return u;
 }
 

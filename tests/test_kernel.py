@@ -63,9 +63,9 @@ def test_filtered_probs_match_reference(ops):
 
 @pytest.mark.parametrize("host", ["1", "0"])
 def test_draft_softmax_matches_reference(ops, host, monkeypatch):
-    """A draft's q without filters (softmax_probs: the twin's one pass a row, vectorised or,
-    with BATCHSPEC_VERIFY_HOST_DRAW=0, torch's ops) is target_probs' within the backends'
-    tolerance: the same tokens at 0 (-inf logits), T = 0 rows at T = 1, widths on and off
+    """A draft's q without filters (softmax_probs: kernels/draft_draw.h's softmax_row,
+    vectorised or, with BATCHSPEC_VERIFY_HOST_DRAW=0, its scalar loop) is target_probs'
+    within the backends' tolerance: the same tokens at 0 (-inf logits), T = 0 rows at T = 1, widths on and off
     a multiple of 8; a row with a NaN or +inf, or all -inf, gives what torch gives."""
     monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", host)
     g = torch.Generator().manual_seed(2)
@@ -101,6 +101,9 @@ def test_draft_draws_follow_q(ops):
         again = draw_tokens(q.repeat(4, 1), seeds[:4], torch.arange(4),
                             torch.zeros(4, dtype=torch.int64), STREAM_DRAFT)
         assert torch.equal(again, tokens[:4])
+        other = draw_tokens(q.repeat(trials, 1), seeds + 1, torch.arange(trials),
+                            torch.zeros(trials, dtype=torch.int64), STREAM_DRAFT)
+        assert not torch.equal(other, tokens)
 
 
 def random_batch(seed, B, V, dtype, with_q, alignment=1.0):
