@@ -18,8 +18,8 @@
 //   forward against 0.8-1.1 here), about 2x slower at 5 rows, 1.2-1.3x at 32-64 and about
 //   the same from 160 (benchmarks/bench_cpu_ops.py). The weight becomes [ceil(N/16)][K][16], zero-padded: each block of 16
 //   features is K rows of 64 bytes, read front to back. A register block of rows x features
-//   (1 x 64, 2 x 48, 3 x 32, or up to 6 x 16) keeps 8-12 sums in registers, one fused
-//   multiply-add a row per input and 8 features. A weight whose values are all bf16
+//   (1 x 64, 2 x 48 or 32, 3 x 32, or up to 6 x 16: f32_linear_blocks) keeps 8-12 sums in
+//   registers, one fused multiply-add a row per input and 8 features. A weight whose values are all bf16
 //   numbers (a bf16 checkpoint run in fp32) is stored in bf16 ([ceil(N/16)][K][16], 32-byte
 //   rows): the same fp32 values, exactly, from half the bytes.
 //
@@ -65,8 +65,8 @@ at::Tensor pack_linear_weight(const at::Tensor& w, bool compact) {
     auto blocks = padded.view({Np / N_BLOCK, N_BLOCK, K}).permute({0, 2, 1});
     const auto bf16 = blocks.to(at::kBFloat16);
     if (!compact || !at::equal(bf16.to(at::kFloat), blocks)) return blocks.contiguous();
-    // the order load_weights16 reads: features 0-3, 8-11, 4-7, 12-15
-    const auto order = at::tensor({0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15},
+    // the order load_weights16 reads: features 0 and 8, 1 and 9, ..., 7 and 15
+    const auto order = at::tensor({0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15},
                                   w.options().dtype(at::kLong));
     return bf16.index_select(2, order).contiguous();
   }
@@ -171,8 +171,10 @@ std::vector<float> bias_values(const std::optional<at::Tensor>& bias, int64_t N,
 constexpr int64_t PREFETCH_ROWS = 32;
 
 // 16 weights of a block's row as two vectors of 8 fp32 features: fp32 as stored, or bf16
-// stored in the order [0-3, 8-11, 4-7, 12-15], which interleaving with zeros puts back in
-// order as the exact fp32 values (a bf16 number is the upper half of its float)
+// stored as pairs (feature i, feature i + 8), i = 0..7, one 32-bit lane each: the lane
+// shifted up 16 bits is feature i's exact fp32 value, its upper half alone feature i + 8's
+// (a bf16 number is the upper half of its float). A shift and an AND: interleaving with
+// zeros took two shuffles, and the shuffle port bounded the one-row product
 template <typename W>
 BS_AVX2 void load_weights16(const W* p, __m256& lo, __m256& hi) {
   if constexpr (std::is_same_v<W, float>) {
@@ -180,8 +182,8 @@ BS_AVX2 void load_weights16(const W* p, __m256& lo, __m256& hi) {
     hi = _mm256_loadu_ps(p + 8);
   } else {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
-    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
   }
 }
 
@@ -242,17 +244,23 @@ BS_AVX2_FN void f32_rows(const float* x, int64_t rows, int64_t K, const W* w,
   }
 }
 
-// Feature blocks [nb0, nb1) of y [M, N] for x [M, K]. Up to 3 rows: 4, 3 or 2 blocks at a
-// time, so that 8-12 sums are in flight with the weight read once. More rows: a block at a
-// time, 6 rows after 6 (the block stays in L1/L2 while the later rows reread it).
+// Feature blocks [nb0, nb1) of y [M, N] for x [M, K]. A few rows: several blocks at a time,
+// so that 8-12 sums are in flight with the weight read once: 1 row by 4 blocks, 2 by 3 and
+// 3 by 2 for fp32 weights; 2 by 2 for bf16 ones, whose widening takes a register more (2 by
+// 3 and 3 by 2 left two sums on the stack, a store and a load in their chains: half the
+// speed), and 3 rows of them as more rows go. More rows: a block at a time, 6 rows after 6
+// (the block stays in L1/L2 while the later rows reread it), the last 7 or 8 as 4 and 3 or
+// 4 and 4 (a pass of 1 or 2 rows keeps too few sums in flight to hide the latency of a
+// fused multiply-add).
 template <typename W>
 BS_AVX2_FN void f32_linear_blocks(const float* x, int64_t M, int64_t K, const W* wp,
                                   int64_t nb0, int64_t nb1, const float* bias, float* y,
                                   int64_t N) {
+  constexpr bool fp32 = std::is_same_v<W, float>;
   const int64_t stride = K * N_BLOCK;
   auto at = [&](int64_t nb) { return bias != nullptr ? bias + nb * N_BLOCK : nullptr; };
-  if (M <= 3) {
-    const int64_t step = M == 1 ? 4 : M == 2 ? 3 : 2;
+  if (M <= (fp32 ? 3 : 2)) {
+    const int64_t step = M == 1 ? 4 : M == 3 ? 2 : fp32 ? 3 : 2;
     for (int64_t nb = nb0; nb < nb1; nb += step) {
       const W* w = wp + nb * stride;
       float* yb = y + nb * N_BLOCK;
@@ -262,17 +270,20 @@ BS_AVX2_FN void f32_linear_blocks(const float* x, int64_t M, int64_t K, const W*
           f32_rows<false, W>(x, M, K, wp + b * stride, at(b), y + b * N_BLOCK, N, N - b * N_BLOCK);
       } else if (M == 1) {
         f32_block<1, 4, false, W>(x, K, w, at(nb), yb, N, count);
-      } else if (M == 2) {
-        f32_block<2, 3, false, W>(x, K, w, at(nb), yb, N, count);
+      } else if constexpr (fp32) {
+        if (M == 2)
+          f32_block<2, 3, false, W>(x, K, w, at(nb), yb, N, count);
+        else
+          f32_block<3, 2, false, W>(x, K, w, at(nb), yb, N, count);
       } else {
-        f32_block<3, 2, false, W>(x, K, w, at(nb), yb, N, count);
+        f32_block<2, 2, false, W>(x, K, w, at(nb), yb, N, count);
       }
     }
     return;
   }
   for (int64_t nb = nb0; nb < nb1; ++nb)
-    for (int64_t m = 0; m < M; m += 6) {
-      const int64_t rows = std::min<int64_t>(6, M - m);
+    for (int64_t m = 0, rows; m < M; m += rows) {
+      rows = M - m == 7 || M - m == 8 ? 4 : std::min<int64_t>(6, M - m);
       if (m == 0)
         f32_rows<true, W>(x, rows, K, wp + nb * stride, at(nb), y + nb * N_BLOCK, N, N - nb * N_BLOCK);
       else

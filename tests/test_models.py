@@ -163,8 +163,8 @@ def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
     """kernels/linear_cpu.cpp's fp32 path: x . W^T (+ b) to within fp32's rounding of the
     exact product, for widths that are and are not whole blocks (16 outputs), with and
     without a bias, through each register block (1, 2 and 3 rows over several blocks, up to
-    6 rows over one); each row's result bit for bit the same alone, in a window of 5 rows or
-    among 200 (what keeps a verification window's logits those of decode steps); weights of
+    6 rows over one; 7, 8 and 14 rows end in passes of 4 and 3 or 4); each row's result bit
+    for bit the same alone, in a window of 5 rows or among 200 (what keeps a verification window's logits those of decode steps); weights of
     bf16 values stored in bf16 give the fp32-stored results bit for bit."""
     from batchspec.spec._build import load
     if _kernel_missing():
@@ -185,7 +185,7 @@ def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
         bound = (x.double().abs() @ w.double().abs().T) * k * 2 ** -24 + 1e-6
         assert ((y.double() - ref).abs() <= bound).all(), (n, k)
         for rows in (slice(0, 1), slice(7, 9), slice(3, 6), slice(10, 15), slice(3, 20),
-                     slice(150, 200)):
+                     slice(20, 27), slice(30, 38), slice(40, 54), slice(150, 200)):
             assert torch.equal(ops.linear_packed(x[rows], packed, k, n, b), y[rows]), (n, k, rows)
         assert ops.linear_packed(x[:0], packed, k, n, b).shape == (0, n)
         # weights that are all bf16 numbers (a bf16 checkpoint run in fp32) are stored in
@@ -196,7 +196,8 @@ def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
         assert compact.dtype == torch.bfloat16 and full.dtype == torch.float32
         yb = ops.linear_packed(x, compact, k, n, b)
         assert torch.equal(yb, ops.linear_packed(x, full, k, n, b)), (n, k)
-        for rows in (slice(0, 1), slice(7, 9), slice(3, 6), slice(3, 20)):
+        for rows in (slice(0, 1), slice(7, 9), slice(3, 6), slice(10, 15), slice(3, 20),
+                     slice(20, 27), slice(30, 38), slice(40, 54)):
             assert torch.equal(ops.linear_packed(x[rows], compact, k, n, b), yb[rows]), (n, k)
     with pytest.raises(RuntimeError, match="does not match"):
         ops.linear_packed(x[:, :-1], packed, k, n, None)
