@@ -7,8 +7,9 @@ separate processes on such a machine differ by up to 2x from one minute to the n
 For each demo model (the target and the code draft, shapes from their config.json) and each
 row count it prints the time of one forward's products (every layer's four weights and the
 output layer), weights stored in bf16 (what the demo's bf16 checkpoints get; --fp32: in
-fp32). Each weight is read once a call from L2/L3, as in a forward. Needs g++ and a CPU with
-AVX2 and FMA.
+fp32). A weight is multiplied by many times in a row, so it comes from L2 or L3 by its size
+(in the engine a forward's weights, 11.5 MB for the demo target in bf16, come from L3).
+Needs g++ and a CPU with AVX2 and FMA.
 
     python benchmarks/bench_linear_ab.py --against HEAD~1
 """
