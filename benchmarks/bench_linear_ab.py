@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ HARNESS = r"""
 #include <random>
 #include <type_traits>
 #include <vector>
-#define BS_AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
+#include "cpu_simd.h"   // BS_AVX2
 constexpr int64_t N_BLOCK = 16;
 namespace before {
 #include "before.inc"
@@ -111,6 +112,8 @@ def main() -> None:
     try:
         before = subprocess.run(["git", "show", f"{args.against}:{SOURCE}"], cwd=ROOT,
                                 check=True, capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        sys.exit("git not found: the revision to compare with is read from the repository")
     except subprocess.CalledProcessError as e:
         sys.exit(f"git show {args.against}:{SOURCE} failed: {e.stderr.strip()}")
     with open(os.path.join(ROOT, SOURCE)) as f:
@@ -129,13 +132,28 @@ def main() -> None:
             with open(os.path.join(tmp, "ab.cpp"), "w") as f:
                 f.write(src)
             exe = os.path.join(tmp, "ab")
-            subprocess.run(["g++", "-O3", "-fno-trapping-math", "-std=c++17", "ab.cpp", "-o", exe],
-                           cwd=tmp, check=True)
-            label = re.sub(r"\s+", " ", args.against)
+            try:
+                subprocess.run(["g++", "-O3", "-fno-trapping-math", "-std=c++17",
+                                f"-I{os.path.join(ROOT, 'kernels')}", "ab.cpp", "-o", exe],
+                               cwd=tmp, check=True, capture_output=True, text=True)
+            except FileNotFoundError:
+                sys.exit("g++ not found: install a C++ compiler (Debian: apt install g++)")
+            except subprocess.CalledProcessError as e:
+                tail = "\n".join(e.stderr.strip().splitlines()[-5:])
+                sys.exit(f"the AVX2 kernels did not compile on their own (the harness gives them "
+                         f"cpu_simd.h and N_BLOCK):\n{tail}")
+            label = re.sub(r"\s+", " ", args.against)[:12]
             print(f"{model}: one forward's products, {'fp32' if args.fp32 else 'bf16'} weights, us")
             print(f"{'rows':>5} {label:>12} {'this tree':>12} {'ratio':>8}", flush=True)
-            subprocess.run([exe], check=True)
+            rc = subprocess.run([exe]).returncode
+            if rc == -signal.SIGILL:
+                sys.exit("this CPU lacks AVX2 or FMA, which the kernels need")
+            if rc not in (0, -signal.SIGPIPE):   # (SIGPIPE: the output's reader closed)
+                sys.exit(f"the timing program failed (exit status {rc})")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:   # the output's reader closed (`| head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

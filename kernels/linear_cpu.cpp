@@ -18,8 +18,9 @@
 //   forward against 0.8-1.1 here), about 2x slower at 5 rows, 1.2-1.3x at 32-64 and about
 //   the same from 160 (benchmarks/bench_cpu_ops.py). The weight becomes [ceil(N/16)][K][16], zero-padded: each block of 16
 //   features is K rows of 64 bytes, read front to back. A register block of rows x features
-//   (1 x 64, 2 x 48 or 32, 3 x 32, or up to 6 x 16: f32_linear_blocks) keeps 8-12 sums in
-//   registers, one fused multiply-add a row per input and 8 features. A weight whose values are all bf16
+//   (1 x 64; 2 x 48 and 3 x 32 for fp32 storage, 2 x 32 and 3 x 16 for bf16; up to 6 x 16:
+//   f32_linear_blocks) keeps 6-12 sums in registers, one fused multiply-add a row per input
+//   and 8 features. A weight whose values are all bf16
 //   numbers (a bf16 checkpoint run in fp32) is stored in bf16 ([ceil(N/16)][K][16], 32-byte
 //   rows): the same fp32 values, exactly, from half the bytes.
 //

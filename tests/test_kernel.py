@@ -65,8 +65,8 @@ def test_filtered_probs_match_reference(ops):
 def test_draft_softmax_matches_reference(ops, host, monkeypatch):
     """A draft's q without filters (softmax_probs: kernels/draft_draw.h's softmax_row,
     vectorised or, with BATCHSPEC_VERIFY_HOST_DRAW=0, its scalar loop) is target_probs'
-    within the backends' tolerance: the same tokens at 0 (-inf logits), T = 0 rows at T = 1, widths on and off
-    a multiple of 8; a row with a NaN or +inf, or all -inf, gives what torch gives."""
+    within the backends' tolerance: the same tokens at 0 (-inf logits), T = 0 rows at T = 1,
+    widths on and off a multiple of 8; a row with a NaN or +inf, or all -inf, gives what torch gives."""
     monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", host)
     g = torch.Generator().manual_seed(2)
     for V in (5, 8, 300, 4101):

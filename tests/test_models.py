@@ -164,8 +164,9 @@ def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
     exact product, for widths that are and are not whole blocks (16 outputs), with and
     without a bias, through each register block (1, 2 and 3 rows over several blocks, up to
     6 rows over one; 7, 8 and 14 rows end in passes of 4 and 3 or 4); each row's result bit
-    for bit the same alone, in a window of 5 rows or among 200 (what keeps a verification window's logits those of decode steps); weights of
-    bf16 values stored in bf16 give the fp32-stored results bit for bit."""
+    for bit the same alone, in a window of 5 rows or among 200 (what keeps a verification
+    window's logits those of decode steps); weights of bf16 values stored in bf16 give the
+    fp32-stored results bit for bit, through their own register blocks."""
     from batchspec.spec._build import load
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
