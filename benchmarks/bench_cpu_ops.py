@@ -6,10 +6,11 @@
    that they come from memory, as in decoding;
 2. attention of 32 short rows (4 query / 2 KV heads, head dim 64, 208 keys), SDPA vs the
    grouped matmuls batchspec uses for bf16 on CPU (batchspec.layers.attention);
-3. a layer's elementwise ops in bf16 at the demo target's widths (hidden 256, MLP 768), the
-   C++ ops (kernels/fused_cpu.cpp) vs the torch expressions they replace: RMSNorm with the
-   residual add, and SwiGLU, at 32 rows (a decode step at batch size 32) and 160 (its
-   verification windows of 5 tokens);
+3. a layer's elementwise ops in fp32 and bf16 at the demo target's widths (hidden 256, MLP
+   768, 4 query and 2 KV heads of 64), the C++ ops (kernels/fused_cpu.cpp) on their explicit
+   AVX2 / AVX-512 paths and on the loops the compiler vectorises, vs the torch expressions
+   they replace: RMSNorm with the residual add, SwiGLU and RoPE, at 32 rows (a decode step
+   at batch size 32) and 160 (its verification windows of 5 tokens);
 4. a draft's output layer (the demo drafts' 4,096 x 192) in bf16 on AMX tiles vs its int8
    copy (kernels/head_int8_cpu.cpp: AVX512-VNNI up to 7 rows, AMX-INT8 tiles from 8), at
    1-64 rows, the weight read warm as in a round's draft steps;
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec.layers.attention import _grouped_attention  # noqa: E402
-from batchspec.models.llama import fused_ops, linear, prepack, rms_norm, weight_packer  # noqa: E402,E501
+from batchspec.models.llama import apply_rope, fused_ops, linear, prepack, rms_norm, weight_packer  # noqa: E402
 
 
 def per_call_us(fn, args_list, rounds=3):
@@ -42,6 +43,28 @@ def per_call_us(fn, args_list, rounds=3):
         for args in args_list:
             fn(*args)
     return (time.perf_counter() - t0) / (rounds * len(args_list)) * 1e6
+
+
+def elementwise_cases(ops, dt, rows):
+    """name -> (C++ op, its arguments, the torch expression it replaces) at the demo target's
+    widths"""
+    w = torch.randn(256, dtype=dt)
+    freqs = torch.outer(torch.arange(2048).float(),
+                        1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    h, res = torch.randn(rows, 256).to(dt), torch.randn(rows, 256).to(dt)
+    gate_up = torch.randn(rows, 2 * 768).to(dt)
+    qkv = torch.randn(rows, 512).to(dt)
+    pos = torch.randint(0, 2048, (rows,))
+    return {
+        "add + RMSNorm": (lambda a, b: ops.add_rms_norm_(a, b, w, 1e-6), (h, res),
+                          lambda a, b: rms_norm(a + b, w, 1e-6)),
+        "SwiGLU": (ops.silu_mul, (gate_up,), lambda x: F.silu(x[:, :768]) * x[:, 768:]),
+        "RoPE": (lambda x: ops.rope_qk(x, cos, sin, pos, 4, 2), (qkv,),
+                 lambda x: apply_rope(x[:, :384].view(rows, 6, 64), cos[pos].unsqueeze(1),
+                                      sin[pos].unsqueeze(1))),
+    }
 
 
 def main():
@@ -90,17 +113,21 @@ def main():
     ops = fused_ops(torch.bfloat16, torch.device("cpu"))
     if ops is None:
         return
-    print("\nbf16 elementwise ops, us per call: C++ op / torch ops")
-    w = torch.randn(256, dtype=torch.bfloat16)
-    for rows in (32, 160):
-        h, res = torch.randn(rows, 256).bfloat16(), torch.randn(rows, 256).bfloat16()
-        gate_up = torch.randn(rows, 2 * 768).bfloat16()
-        norm = per_call_us(lambda a, b: ops.add_rms_norm_(a, b, w, 1e-6), [(h, res)] * 200)
-        norm_torch = per_call_us(lambda a, b: rms_norm(a + b, w, 1e-6), [(h, res)] * 200)
-        act = per_call_us(ops.silu_mul, [(gate_up,)] * 200)
-        act_torch = per_call_us(lambda x: F.silu(x[:, :768]) * x[:, 768:], [(gate_up,)] * 200)
-        print(f"{rows:>4} rows: residual add + RMSNorm {norm:6.1f} / {norm_torch:6.1f}   "
-              f"SwiGLU {act:6.1f} / {act_torch:6.1f}")
+    print("\nelementwise ops, us per call: C++ op / its compiler-vectorised loops "
+          "(BATCHSPEC_CPU_FUSED_PORTABLE) / torch ops")
+    for dt in (torch.float32, torch.bfloat16):
+        for rows in (32, 160):
+            cells = []
+            for name, (op, args, ref) in elementwise_cases(ops, dt, rows).items():
+                times = []
+                for portable in (False, True):
+                    if portable:
+                        os.environ["BATCHSPEC_CPU_FUSED_PORTABLE"] = "1"
+                    times.append(per_call_us(op, [args] * 200))
+                    os.environ.pop("BATCHSPEC_CPU_FUSED_PORTABLE", None)
+                times.append(per_call_us(ref, [args] * 200))
+                cells.append(f"{name} {' / '.join(f'{t:.1f}' for t in times)}")
+            print(f"{str(dt)[6:]:<9} {rows:>4} rows: " + "   ".join(cells))
     if layout == "amx" and ops.head_int8_fast():
         print("\ndraft output layer 4,096 x 192, us per call: int8 copy / bf16 on AMX tiles")
         head = torch.randn(4096, 192).bfloat16() * 0.05

@@ -118,6 +118,37 @@ BS_AVX2 __m256 load8(const T* p) {
   }
 }
 
+// x rounded to bfloat16 as bf16_bits16 rounds, in the upper half of each lane
+BS_AVX2 __m256i bf16_bits8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+      _mm256_set1_epi32(int(0xffff0000u)));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                                              _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+// 8 floats to the model dtype at p
+template <typename T>
+BS_AVX2 void store8(T* p, __m256 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_storeu_ps(p, x);
+  } else {
+    const __m256i h = _mm256_srli_epi32(bf16_bits8(x), 16);   // 8 x 16 bits, in 32-bit lanes
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  }
+}
+
+// x rounded to the model dtype and back
+template <typename T>
+BS_AVX2 __m256 round8(__m256 x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return _mm256_castsi256_ps(bf16_bits8(x));
+}
+
 // exp_nonpositive, 8 lanes at a time (the same reduction and polynomial)
 BS_AVX2 __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));

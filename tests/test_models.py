@@ -448,26 +448,33 @@ def test_amx_attention_agrees_with_the_avx512_path(monkeypatch):
         assert ((tiles - avx).abs().amax(-1) < head_max * 2 ** -8).all(), (D, Hq, Hkv)
 
 
+@pytest.mark.parametrize("path", ["vector", "portable"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_swiglu_and_rope_give_the_torch_ops_result(dtype):
+def test_fused_swiglu_and_rope_give_the_torch_ops_result(dtype, path, monkeypatch):
     """The C++ silu(gate) * up and RoPE of q and k (kernels/fused_cpu.cpp) against the torch
-    expressions they replace, on widths the vector paths take (multiples of 16 and 32) and
-    widths they leave to the scalar loop: RoPE bit for bit in bf16, SwiGLU within one bf16
-    step (its exp may differ in the last fp32 bit); q and k come back contiguous."""
+    expressions they replace, on the explicit AVX2 / AVX-512 paths where the CPU has them
+    and on the compiler-vectorised loops (BATCHSPEC_CPU_FUSED_PORTABLE), at widths the
+    explicit paths take (multiples of 8 / 16 and of 16 / 32) and widths they leave to the
+    loops: RoPE bit for bit in bf16, SwiGLU within one bf16 step (its exp may differ in the
+    last fp32 bit); q and k come back contiguous."""
     from batchspec.models.llama import apply_rope, fused_ops
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
+    if path == "portable":
+        monkeypatch.setenv("BATCHSPEC_CPU_FUSED_PORTABLE", "1")
+    else:
+        monkeypatch.delenv("BATCHSPEC_CPU_FUSED_PORTABLE", raising=False)
     dt = getattr(torch, dtype)
     ops = fused_ops(dt, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     exact = dict(atol=1e-6, rtol=1e-6) if dtype == "float32" else dict(atol=0, rtol=0)
-    for inter in (96, 40):
+    for inter in (96, 40, 36):
         gu = (torch.randn(37, 2 * inter, generator=g) * 4).to(dt)
         gu[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
         gate, up = gu.chunk(2, dim=-1)
         step = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=0, rtol=2 ** -8)
         torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **step)
-    for D, Hq, Hkv in ((64, 4, 2), (16, 3, 3), (128, 2, 1)):
+    for D, Hq, Hkv in ((64, 4, 2), (16, 3, 3), (128, 2, 1), (12, 2, 1)):
         T = 29
         qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dt)
         freqs = torch.outer(torch.arange(300).float(),
