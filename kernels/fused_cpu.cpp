@@ -14,9 +14,9 @@
 //                 qkv row, cos and sin looked up by position; q and k come back contiguous
 // Arithmetic is fp32; a product or sum that torch rounds to the model dtype is rounded here.
 // Paths: loops the compiler vectorises for each instruction set (BS_CLONES), and explicit
-// AVX-512 and AVX2 code for SwiGLU and RoPE (whose exp and per-head calls the compiler left
-// scalar, and RoPE paid a call per head: fp32 at 160 rows of the demo target on an AVX2 CPU,
-// 131 against 202 us and 21 against 54 us a call) and for bf16 RMSNorm with AVX512-BF16.
+// AVX-512 and AVX2 code for SwiGLU and RoPE (the compiler's loops were slower: fp32 at 160
+// rows of the demo target on an AVX2 CPU, 131 against 202 us and 21 against 54 us a call,
+// benchmarks/bench_cpu_ops.py) and for bf16 RMSNorm with AVX512-BF16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
