@@ -28,7 +28,7 @@ import batchspec.engine.engine as engine_module  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
 from batchspec.spec.proposer import DraftModelProposer  # noqa: E402
 from batchspec.tools import hfref  # noqa: E402
-from batchspec.tools.bench import _params, _start_afresh, make_llm  # noqa: E402
+from batchspec.tools.bench import LOOKUP_METHODS, _params, _start_afresh, make_llm  # noqa: E402
 from batchspec.tools.evaluate import load_prompts  # noqa: E402
 
 PHASES = ["schedule", "draft models", "draft lookups", "propose, rest", "forward, prompts",
@@ -96,6 +96,12 @@ def main():
                          "after a target forward (what the target's forward leaves of the "
                          "draft's weights in the caches)")
     args = ap.parse_args()
+    engine_methods = ["plain", "spec", "spec-domain", "spec-adaptive", "spec-routed",
+                      *LOOKUP_METHODS]
+    unknown = [m for m in args.methods.split(",") if m not in engine_methods]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}: engine methods are "
+                 f"{', '.join(engine_methods)}")
     torch.set_num_threads(1)
     models = demo_models()
     num = args.num_prompts or max(32, 8 * args.batch_size)
