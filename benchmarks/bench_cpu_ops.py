@@ -113,6 +113,7 @@ def main():
     ops = fused_ops(torch.bfloat16, torch.device("cpu"))
     if ops is None:
         return
+    user_switch = os.environ.get("BATCHSPEC_CPU_FUSED_PORTABLE")
     print("\nelementwise ops, us per call: C++ op / its compiler-vectorised loops "
           "(BATCHSPEC_CPU_FUSED_PORTABLE) / torch ops")
     for dt in (torch.float32, torch.bfloat16):
@@ -120,14 +121,17 @@ def main():
             cells = []
             for name, (op, args, ref) in elementwise_cases(ops, dt, rows).items():
                 times = []
-                for portable in (False, True):
+                for portable in (False, True):   # (the op reads the switch on every call)
+                    os.environ.pop("BATCHSPEC_CPU_FUSED_PORTABLE", None)
                     if portable:
                         os.environ["BATCHSPEC_CPU_FUSED_PORTABLE"] = "1"
                     times.append(per_call_us(op, [args] * 200))
-                    os.environ.pop("BATCHSPEC_CPU_FUSED_PORTABLE", None)
                 times.append(per_call_us(ref, [args] * 200))
                 cells.append(f"{name} {' / '.join(f'{t:.1f}' for t in times)}")
             print(f"{str(dt)[6:]:<9} {rows:>4} rows: " + "   ".join(cells))
+    os.environ.pop("BATCHSPEC_CPU_FUSED_PORTABLE", None)
+    if user_switch is not None:   # the rest of the run as the caller set it
+        os.environ["BATCHSPEC_CPU_FUSED_PORTABLE"] = user_switch
     if layout == "amx" and ops.head_int8_fast():
         print("\ndraft output layer 4,096 x 192, us per call: int8 copy / bf16 on AMX tiles")
         head = torch.randn(4096, 192).bfloat16() * 0.05

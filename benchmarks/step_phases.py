@@ -28,7 +28,7 @@ import batchspec.engine.engine as engine_module  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
 from batchspec.spec.proposer import DraftModelProposer  # noqa: E402
 from batchspec.tools import hfref  # noqa: E402
-from batchspec.tools.bench import LOOKUP_METHODS, _params, _start_afresh, make_llm  # noqa: E402
+from batchspec.tools.bench import METHODS, _params, _start_afresh, make_llm  # noqa: E402
 from batchspec.tools.evaluate import load_prompts  # noqa: E402
 
 PHASES = ["schedule", "draft models", "draft lookups", "propose, rest", "forward, prompts",
@@ -52,7 +52,6 @@ class Clock:
 
 def instrument(llm, clock: Clock) -> None:
     eng = llm.engine
-    k = eng.config.num_speculative_tokens
     eng.scheduler.schedule = clock.wrap(eng.scheduler.schedule, "schedule")
     for proposer in eng.proposers.values():
         phase = "draft models" if isinstance(proposer, DraftModelProposer) else "draft lookups"
@@ -73,10 +72,12 @@ def instrument(llm, clock: Clock) -> None:
     eng.propose = propose_rest
     forward = eng.target.forward
 
-    def target_forward(tokens, *args, **kwargs):
-        # a row of more tokens than a window holds is a prompt's (or a preempted row's)
-        phase = "forward, prompts" if any(len(t) > k + 1 for t in tokens) else "forward, decode"
-        return clock.wrap(forward, phase)(tokens, *args, **kwargs)
+    def target_forward(tokens, computed, tables, num_logits):
+        # a decode or verification row asks for a logit per token it feeds; a prompt's rows
+        # (or a preempted row's recompute) feed more tokens than they ask logits for
+        phase = "forward, prompts" if any(len(t) > n for t, n in zip(tokens, num_logits)) \
+            else "forward, decode"
+        return clock.wrap(forward, phase)(tokens, computed, tables, num_logits)
     eng.target.forward = target_forward
     eng.commit = clock.wrap(eng.commit, "commit")
 
@@ -96,8 +97,7 @@ def main():
                          "after a target forward (what the target's forward leaves of the "
                          "draft's weights in the caches)")
     args = ap.parse_args()
-    engine_methods = ["plain", "spec", "spec-domain", "spec-adaptive", "spec-routed",
-                      *LOOKUP_METHODS]
+    engine_methods = [m for m in METHODS if not m.startswith("hf")]   # transformers' are not
     unknown = [m for m in args.methods.split(",") if m not in engine_methods]
     if unknown:
         ap.error(f"unknown method(s) {', '.join(unknown)}: engine methods are "
