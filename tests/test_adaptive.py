@@ -492,6 +492,25 @@ def test_the_side_behind_takes_the_lead_only_after_a_try_shows_it_ahead():
     assert run(2.0) == (plain_first + [True] * (TRY_STEPS + 2), True)
 
 
+def test_a_step_whose_lookups_found_nothing_leaves_the_lead_where_it_was():
+    """Speculation from a lookup source leads at one row; in a step where the lookup finds
+    nothing the row runs plain. That says nothing of which side is faster: speculation keeps
+    the lead (and drafts again in the next step that finds drafts), no try starts, and the
+    step is measured as a plain one."""
+    policy = make_policy(flat(lambda b, q: 0.01 * b))
+    seq = rows_with(policy, 1, "suffix", 0.9)[0]
+    set_slowdowns(policy, 1.0, 1.0)
+    policy._winner, policy._speculated = True, True   # speculating for a while
+    for found in (3, 0, 0, 2, 0, 4):
+        lengths = policy.choose_lengths([(seq, "suffix", found, False)], 0)
+        assert lengths == [found]
+        assert policy._winner is True and not policy._try_left and not policy._trying
+        speculate, tokens, seconds, tried = policy._chosen
+        assert speculate is bool(found) and not tried
+        policy.observe(seconds, tokens)
+    assert policy.observed[False] == 3 and policy.observed[True] == 3
+
+
 def test_a_try_that_ends_as_the_mix_changes_hands_no_lead_over():
     """A try of speculation at T = 0.8 measures its steps and ends just as the batch's mix
     of temperatures changes: the next weighing is the new mix's, on that mix's own (older)

@@ -396,6 +396,16 @@ class SpecPolicy:
         extra_s = self._overhead_s()
         full = self._plan(rows, probs, set(), num_rows, extra_s)
         spec_n = full[0]
+        if not spec_n:
+            # No row has a draft to verify (lookup sources that found nothing this step):
+            # the step runs plain, which says nothing of which side leads. It is measured
+            # as a plain step and leaves the lead, the tries and their cadence as they
+            # were. (It used to hand plain the lead: at one row, where lookups find
+            # nothing in about half the steps, speculation lost the lead at the first
+            # such step and plain then held it, weighing plans every EXPLORE steps only.)
+            self._trying = False
+            self._chosen = (False, num_rows, plain_s, False)
+            return [0] * len(rows)
         spec_c, plain_c = full[1] / self._slowdown(True), plain_rate / self._slowdown(False)
         # the side behind takes the lead only when ahead by SWITCH_MARGIN: sides within
         # noise of each other would otherwise trade it back and forth, and each switch to
