@@ -509,6 +509,7 @@ def test_a_step_whose_lookups_found_nothing_leaves_the_lead_where_it_was():
         assert speculate is bool(found) and not tried
         policy.observe(seconds, tokens)
     assert policy.observed[False] == 3 and policy.observed[True] == 3
+    assert policy._since == 6
 
 
 def test_a_try_that_ends_as_the_mix_changes_hands_no_lead_over():

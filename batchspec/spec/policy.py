@@ -391,21 +391,24 @@ class SpecPolicy:
             return [0] * len(rows)
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
+        if not any(n for _, _, n, _ in rows):
+            # No row has a draft to verify (lookup rows that found nothing this step): the
+            # step runs plain, which says nothing of which side leads. It is measured as a
+            # plain step and leaves the lead and the tries as they were; the steps since
+            # the last try or change count on (while plain leads, lookups are weighed every
+            # EXPLORE steps, not at every step until they find a draft). It used to hand
+            # plain the lead: at one row, where lookups find nothing in about half the
+            # steps, speculation lost the lead at the first such step and plain then held
+            # it, weighing plans every EXPLORE steps only.
+            self._since += 1
+            self._trying = False
+            self._chosen = (False, num_rows, plain_s, False)
+            return [0] * len(rows)
         probs = [self.depth_probs(seq, source, n, classes[i] if classes is not None else None)
                  for i, (seq, source, n, _) in enumerate(rows)]
         extra_s = self._overhead_s()
         full = self._plan(rows, probs, set(), num_rows, extra_s)
         spec_n = full[0]
-        if not spec_n:
-            # No row has a draft to verify (lookup sources that found nothing this step):
-            # the step runs plain, which says nothing of which side leads. It is measured
-            # as a plain step and leaves the lead, the tries and their cadence as they
-            # were. (It used to hand plain the lead: at one row, where lookups find
-            # nothing in about half the steps, speculation lost the lead at the first
-            # such step and plain then held it, weighing plans every EXPLORE steps only.)
-            self._trying = False
-            self._chosen = (False, num_rows, plain_s, False)
-            return [0] * len(rows)
         spec_c, plain_c = full[1] / self._slowdown(True), plain_rate / self._slowdown(False)
         # the side behind takes the lead only when ahead by SWITCH_MARGIN: sides within
         # noise of each other would otherwise trade it back and forth, and each switch to
