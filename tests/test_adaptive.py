@@ -795,7 +795,7 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
     """The engine asks plain_step first and weighs plans (choose_lengths) only when it says
     no. A model draft far behind: plans are weighed every MAX_EXPLORE steps and a try starts
     at FAR_EXPLORE; close behind: at the try interval. Steps in between cost nothing extra.
-    Lookup rows: every EXPLORE steps."""
+    Lookup rows: every EXPLORE steps, every MAX_EXPLORE while far behind."""
     from batchspec.spec.policy import EXPLORE, FAR_EXPLORE, MAX_EXPLORE, TRY_STEPS
     for spec_slowdown in (8.0, 4.5):   # the model's 4x lead measured away: far, close behind
         policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
@@ -817,17 +817,23 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
             assert tried[:TRY_STEPS + 1] == list(range(EXPLORE, EXPLORE + TRY_STEPS + 1))
             assert len(weighed) < FAR_EXPLORE // EXPLORE
     # rows drafting from lookups: what they find changes with the text (a job-wide trie
-    # fills as rows finish), so plans are weighed every EXPLORE steps however far behind
-    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
-    seqs = rows_with(policy, 4, "d", 0.9)
-    set_slowdowns(policy, 8.0, 1.0)
-    policy._winner, policy._far = False, True
-    weighed = []
-    for step in range(1, MAX_EXPLORE + 1):
-        if not policy.plain_step(seqs, 4, lookups=True):
-            weighed.append(step)
-            policy.choose_lengths([(s, "d", 4, False) for s in seqs], 0, lookups=True)
-    assert weighed == list(range(EXPLORE, MAX_EXPLORE + 1, EXPLORE))
+    # fills as rows finish), so plans are weighed every EXPLORE steps while speculation is
+    # close behind; far behind (its rate below TRY_MARGIN of plain's at the last weighing),
+    # every MAX_EXPLORE steps, as a model draft's
+    for spec_slowdown, every in ((8.0, MAX_EXPLORE), (4.5, EXPLORE)):
+        policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+        seqs = rows_with(policy, 4, "d", 0.9)
+        set_slowdowns(policy, spec_slowdown, 1.0)
+        policy._winner, policy._far, policy._interval = False, spec_slowdown > 5, MAX_EXPLORE
+        weighed = []
+        for step in range(1, 2 * MAX_EXPLORE + 1):
+            if not policy.plain_step(seqs, 4, lookups=True):
+                weighed.append(step)
+                policy.choose_lengths([(s, "d", 4, False) for s in seqs], 0, lookups=True)
+                if policy._try_left:    # a try of speculation (close behind, at the interval)
+                    break
+        assert weighed == list(range(every, weighed[-1] + 1, every))
+        assert weighed[-1] == (2 * MAX_EXPLORE if policy._far else MAX_EXPLORE)
 
 
 @pytest.mark.parametrize("most_rows", [4, 40])

@@ -1,0 +1,91 @@
+"""The adaptive policy (batchspec/spec/policy.py) of the working tree against the same file at
+another git revision, in one process, on the demo models: a plain engine and two engines of
+one method, one of which runs the other revision's SpecPolicy (over the same measured step
+costs), take turns step by step (batchspec.tools.bench.run_engines_in_turns), so that a
+stretch in which a shared machine runs slower lands on all three alike. Prints each
+round's speedup over plain of both policies and the medians; `batchspec bench` runs its
+methods in separate engines too, but compares only the tree it runs from.
+
+    python benchmarks/policy_ab.py --against HEAD~1 --method suffix-adaptive \\
+        --batch-size 32 --temperature 0.8 --repeats 4
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE = "batchspec/spec/policy.py"
+
+
+def load_policy_at(rev: str):
+    """The policy module as it was at rev, imported under a name of its own."""
+    text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="policy_ab_"), "policy_at_rev.py")
+    with open(path, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location("policy_at_rev", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, help="git revision of the other policy")
+    ap.add_argument("--method", default="suffix-adaptive",
+                    help="an adaptive method of batchspec bench (default suffix-adaptive)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="default: max(64, 8 x batch size), as batchspec bench's cells")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=4)
+    args = ap.parse_args()
+    if not args.method.endswith(("-adaptive", "-routed")):
+        ap.error(f"{args.method} has no adaptive policy: give a method ending in "
+                 "-adaptive or -routed")
+    sys.path.insert(0, ROOT)
+    from batchspec.demo import demo_models
+    from batchspec.tools import hfref
+    from batchspec.tools.bench import load_prompts, make_llm, run_engines_in_turns
+    old = load_policy_at(args.against)
+    torch.set_num_threads(1)
+    models = demo_models()
+    n = args.num_prompts or max(64, 8 * args.batch_size)
+    prompts = load_prompts(None, None, n, split="heldout", seed=0)
+    tok = hfref.load_tokenizer(models["target"])
+    ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    domains = [p["domain"] for p in prompts]
+    names = {"plain": "plain", "tree": args.method, args.against: args.method}
+    llms = {name: make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, "float32")
+            for name, method in names.items()}
+    engine = llms[args.against].engine
+    policy = old.SpecPolicy(engine.config, engine.max_model_len)
+    policy.costs = engine.policy.costs      # the same start-up costs for both policies
+    engine.policy = policy
+    speedups: dict[str, list[float]] = {"tree": [], args.against: []}
+    print(f"{args.method}, B={args.batch_size}, T={args.temperature}: x plain, paired")
+    for r in range(args.repeats + 1):     # the first round warms up, untimed
+        res = run_engines_in_turns(llms, ids, domains=domains, temperature=args.temperature,
+                                   max_tokens=args.max_tokens)
+        if r:
+            for name, values in speedups.items():
+                values.append(res["plain"]["wall_s"] / res[name]["wall_s"])
+            print(f"round {r}: " + ", ".join(f"{name} {v[-1]:.3f}"
+                                             for name, v in speedups.items()), flush=True)
+    print("median: " + ", ".join(f"{name} {statistics.median(v):.3f}"
+                                 for name, v in speedups.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
