@@ -34,6 +34,7 @@ def load_policy_at(rev: str):
         f.write(text)
     spec = importlib.util.spec_from_file_location("policy_at_rev", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module     # (its dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
 
