@@ -55,6 +55,7 @@ def main() -> int:
         ap.error(f"{args.method} has no adaptive policy: give a method ending in "
                  "-adaptive or -routed")
     sys.path.insert(0, ROOT)
+    from batchspec.config import default_dtype
     from batchspec.demo import demo_models
     from batchspec.tools import hfref
     from batchspec.tools.bench import load_prompts, make_llm, run_engines_in_turns
@@ -67,22 +68,25 @@ def main() -> int:
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
     names = {"plain": "plain", "tree": args.method, args.against: args.method}
-    llms = {name: make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, "float32")
+    dtype = default_dtype(models["target"], "cpu")    # as batchspec bench runs the demo
+    llms = {name: make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
             for name, method in names.items()}
     engine = llms[args.against].engine
     policy = old.SpecPolicy(engine.config, engine.max_model_len)
     policy.costs = engine.policy.costs      # the same start-up costs for both policies
     engine.policy = policy
     speedups: dict[str, list[float]] = {"tree": [], args.against: []}
-    print(f"{args.method}, B={args.batch_size}, T={args.temperature}: x plain, paired")
+    print(f"{args.method}, B={args.batch_size}, T={args.temperature}, {dtype}: x plain, "
+          "paired (share of rows' rounds that drafted)")
     for r in range(args.repeats + 1):     # the first round warms up, untimed
         res = run_engines_in_turns(llms, ids, domains=domains, temperature=args.temperature,
                                    max_tokens=args.max_tokens)
         if r:
             for name, values in speedups.items():
                 values.append(res["plain"]["wall_s"] / res[name]["wall_s"])
-            print(f"round {r}: " + ", ".join(f"{name} {v[-1]:.3f}"
-                                             for name, v in speedups.items()), flush=True)
+            print(f"round {r}: " + ", ".join(
+                f"{name} {v[-1]:.3f} ({res[name]['round_shares'][0]:.2f})"
+                for name, v in speedups.items()), flush=True)
     print("median: " + ", ".join(f"{name} {statistics.median(v):.3f}"
                                  for name, v in speedups.items()))
     return 0

@@ -467,6 +467,29 @@ def test_the_side_behind_takes_the_lead_only_when_clearly_ahead(spec_slowdown, l
     assert policy._winner is leads
 
 
+@pytest.mark.parametrize("spec_slowdown,keeps", [(4.2, False), (3.9, True)])
+def test_speculation_keeps_the_lead_only_while_ahead(spec_slowdown, keeps):
+    """Speculation leads, its steps measuring 3% below plain's rate (4.2) or 5% above
+    (3.9); a try of plain then measures plain. Within SWITCH_MARGIN of plain, speculation
+    lost the lead only when the try showed plain ahead by the margin, so a lead up to 5%
+    slower than plain held to the end of a job; now plain takes it back once ahead at all,
+    and speculation ahead keeps it."""
+    from batchspec.spec.policy import EXPLORE, TRY_STEPS
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, spec_slowdown, 1.0)
+    policy._winner = True
+    picks = []
+    for _ in range(EXPLORE + TRY_STEPS + 3):   # speculating steps, a try of plain, and on
+        picks.append(any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)))
+        if policy._chosen is not None:
+            speculate, tokens, seconds, _ = policy._chosen
+            policy.observe(seconds * (spec_slowdown if speculate else 1.0), tokens)
+    assert picks[EXPLORE - 1:EXPLORE + TRY_STEPS] == [False] * (TRY_STEPS + 1)  # the try
+    assert policy._winner is keeps
+    assert picks[-1] is keeps
+
+
 def test_the_side_behind_takes_the_lead_only_after_a_try_shows_it_ahead():
     """Speculation lost a little in its last try (4.5x slower than predicted: 0.91 of
     plain's rate); since then the machine slowed by a third, which plain's steps measured
