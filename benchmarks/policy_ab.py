@@ -8,6 +8,10 @@ methods in separate engines too, but compares only the tree it runs from.
 
     python benchmarks/policy_ab.py --against HEAD~1 --method suffix-adaptive \\
         --batch-size 32 --temperature 0.8 --repeats 4
+
+--speculation-leads pairs the tree's policy with itself held in speculation's lead (plain
+never takes it back; each step still runs the plan the policy weighs best, which may be
+plain): what speculating would make where the policy keeps plain.
 """
 from __future__ import annotations
 
@@ -39,9 +43,27 @@ def load_policy_at(rev: str):
     return module
 
 
+def held_in_speculation():
+    """The tree's policy module with a SpecPolicy that never hands plain the lead."""
+    from batchspec.spec import policy
+
+    class Held(policy.SpecPolicy):
+        def _switch(self, speculate: bool, fresh: bool) -> None:
+            if speculate or self._winner is None:
+                super()._switch(True, fresh)
+            else:       # a try of plain that would take the lead: speculation keeps it
+                self._since, self._try_left = 0, 0
+
+    class Module:
+        SpecPolicy = Held
+    return Module
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--against", required=True, help="git revision of the other policy")
+    ap.add_argument("--against", help="git revision of the other policy")
+    ap.add_argument("--speculation-leads", action="store_true",
+                    help="pair with the tree's policy held in speculation's lead instead")
     ap.add_argument("--method", default="suffix-adaptive",
                     help="an adaptive method of batchspec bench (default suffix-adaptive)")
     ap.add_argument("--batch-size", type=int, default=32)
@@ -51,6 +73,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args()
+    if bool(args.against) == args.speculation_leads:
+        ap.error("give either --against REV or --speculation-leads")
     if not args.method.endswith(("-adaptive", "-routed")):
         ap.error(f"{args.method} has no adaptive policy: give a method ending in "
                  "-adaptive or -routed")
@@ -59,7 +83,8 @@ def main() -> int:
     from batchspec.demo import demo_models
     from batchspec.tools import hfref
     from batchspec.tools.bench import load_prompts, make_llm, run_engines_in_turns
-    old = load_policy_at(args.against)
+    other = "speculation-leads" if args.speculation_leads else args.against
+    old = held_in_speculation() if args.speculation_leads else load_policy_at(args.against)
     torch.set_num_threads(1)
     models = demo_models()
     n = args.num_prompts or max(64, 8 * args.batch_size)
@@ -67,15 +92,15 @@ def main() -> int:
     tok = hfref.load_tokenizer(models["target"])
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
-    names = {"plain": "plain", "tree": args.method, args.against: args.method}
+    names = {"plain": "plain", "tree": args.method, other: args.method}
     dtype = default_dtype(models["target"], "cpu")    # as batchspec bench runs the demo
     llms = {name: make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
             for name, method in names.items()}
-    engine = llms[args.against].engine
+    engine = llms[other].engine
     policy = old.SpecPolicy(engine.config, engine.max_model_len)
     policy.costs = engine.policy.costs      # the same start-up costs for both policies
     engine.policy = policy
-    speedups: dict[str, list[float]] = {"tree": [], args.against: []}
+    speedups: dict[str, list[float]] = {"tree": [], other: []}
     print(f"{args.method}, B={args.batch_size}, T={args.temperature}, {dtype}: x plain, "
           "paired (share of rows' rounds that drafted)")
     for r in range(args.repeats + 1):     # the first round warms up, untimed
@@ -83,7 +108,9 @@ def main() -> int:
                                    max_tokens=args.max_tokens)
         if r:
             for name, values in speedups.items():
-                values.append(res["plain"]["wall_s"] / res[name]["wall_s"])
+                # tokens per second (at T > 0 the methods' outputs, so their lengths, differ)
+                values.append(res[name]["tokens"] / res[name]["wall_s"]
+                              / (res["plain"]["tokens"] / res["plain"]["wall_s"]))
             print(f"round {r}: " + ", ".join(
                 f"{name} {v[-1]:.3f} ({res[name]['round_shares'][0]:.2f})"
                 for name, v in speedups.items()), flush=True)
