@@ -44,7 +44,7 @@ def load_policy_at(rev: str):
 
 
 def held_in_speculation():
-    """The tree's policy module with a SpecPolicy that never hands plain the lead."""
+    """The tree's SpecPolicy, made never to hand plain the lead."""
     from batchspec.spec import policy
 
     class Held(policy.SpecPolicy):
@@ -53,10 +53,7 @@ def held_in_speculation():
                 super()._switch(True, fresh)
             else:       # a try of plain that would take the lead: speculation keeps it
                 self._since, self._try_left = 0, 0
-
-    class Module:
-        SpecPolicy = Held
-    return Module
+    return Held
 
 
 def main() -> int:
@@ -84,7 +81,8 @@ def main() -> int:
     from batchspec.tools import hfref
     from batchspec.tools.bench import load_prompts, make_llm, run_engines_in_turns
     other = "speculation-leads" if args.speculation_leads else args.against
-    old = held_in_speculation() if args.speculation_leads else load_policy_at(args.against)
+    policy_class = held_in_speculation() if args.speculation_leads \
+        else load_policy_at(args.against).SpecPolicy
     torch.set_num_threads(1)
     models = demo_models()
     n = args.num_prompts or max(64, 8 * args.batch_size)
@@ -97,7 +95,7 @@ def main() -> int:
     llms = {name: make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
             for name, method in names.items()}
     engine = llms[other].engine
-    policy = old.SpecPolicy(engine.config, engine.max_model_len)
+    policy = policy_class(engine.config, engine.max_model_len)
     policy.costs = engine.policy.costs      # the same start-up costs for both policies
     engine.policy = policy
     speedups: dict[str, list[float]] = {"tree": [], other: []}
