@@ -594,6 +594,61 @@ def test_a_lead_reversed_by_the_first_try_counts_as_exploration():
     assert policy._explore_s > 0.0                 # its lead's excess was counted
 
 
+def test_a_first_lead_reversed_by_a_try_is_not_charged_to_the_budget():
+    """No side has led yet at this mix and band: the start-up costs hand speculation the
+    lead, it measures 4.5x slower than predicted (a job's first steps, where rows have no
+    text yet for lookups to draft from), and the first try of plain shows plain ahead. That
+    lead was the start-up's choice, not a try: nothing is charged to the tries' budget (at
+    a job's start, the charge of such a lead held every try back for the next 400 steps of
+    the job), and speculation, now as fast as predicted, is tried and leads again soon."""
+    from batchspec.spec.policy import EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    sides, lost = [], None
+    for step in range(6 * EXPLORE):
+        if policy.plain_step(seqs, 4):
+            speculate = False
+        else:
+            speculate = any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0))
+        sides.append(speculate)
+        if lost is None and policy._winner is False:
+            lost = step
+            assert policy._explore_s == 0.0
+        if policy._chosen is not None:
+            _, tokens, seconds, _ = policy._chosen
+            policy.observe(seconds * (4.5 if speculate and lost is None else 1.0), tokens)
+    assert sides[0] is True and lost is not None  # the start-up's choice, reversed ...
+    assert policy._winner is True                  # ... and speculation leads again
+    assert True in sides[lost:lost + 3 * EXPLORE]
+
+
+def test_each_band_of_batch_sizes_keeps_its_own_measurements_and_lead():
+    """What a step costs besides the forwards weighs far more at a few rows than at 32: the
+    steps at a job's end, its last rows finishing a few at a time, measure speculation
+    slower than predicted, and must not carry that to the next job's full batches."""
+    from batchspec.spec.policy import batch_band
+    assert batch_band(32) == batch_band(31) == batch_band(24) != batch_band(16)
+    assert batch_band(1) != batch_band(2) != batch_band(4) != batch_band(8)
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 32, "d", 0.9)
+
+    def run(rows, steps, spec_speed):
+        for _ in range(steps):
+            if not policy.plain_step(rows, len(rows)):
+                policy.choose_lengths([(s, "d", 4, True) for s in rows], 0)
+            if policy._chosen is not None:
+                speculate, tokens, seconds, _ = policy._chosen
+                policy.observe(seconds, tokens * (spec_speed if speculate else 1.0))
+    run(seqs, 30, 1.0)                        # full batches: speculation leads
+    assert policy._winner is True
+    full = [list(v) for v in policy.measured.values()]
+    policy._busy_s = 1000.0                   # (the budget holds no try back)
+    run(seqs[:2], 30, 1 / 8)                  # the job's last two rows: it loses there
+    assert policy._winner is False
+    run(seqs, 1, 1.0)                         # the next job's first step
+    assert policy._winner is True and policy.measured[True] == full[0]
+
+
 def test_prompt_work_beside_a_try_is_not_charged_to_the_tries_budget():
     """Prompts that new rows run beside a step are work either side does: a try's step
     beside the prompts of many new rows (0.4 s at 32 rows, which spent the budget of 40 s
@@ -818,7 +873,8 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
     """The engine asks plain_step first and weighs plans (choose_lengths) only when it says
     no. A model draft far behind: plans are weighed every MAX_EXPLORE steps and a try starts
     at FAR_EXPLORE; close behind: at the try interval. Steps in between cost nothing extra.
-    Lookup rows: every EXPLORE steps, every MAX_EXPLORE while far behind."""
+    Lookup rows: every EXPLORE steps; while far behind, after gaps that double from EXPLORE
+    to MAX_EXPLORE steps."""
     from batchspec.spec.policy import EXPLORE, FAR_EXPLORE, MAX_EXPLORE, TRY_STEPS
     for spec_slowdown in (8.0, 4.5):   # the model's 4x lead measured away: far, close behind
         policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
@@ -842,8 +898,13 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
     # rows drafting from lookups: what they find changes with the text (a job-wide trie
     # fills as rows finish), so plans are weighed every EXPLORE steps while speculation is
     # close behind; far behind (its rate below TRY_MARGIN of plain's at the last weighing),
-    # every MAX_EXPLORE steps, as a model draft's
-    for spec_slowdown, every in ((8.0, MAX_EXPLORE), (4.5, EXPLORE)):
+    # after EXPLORE steps, then twice as many each time it is still far behind, up to
+    # MAX_EXPLORE steps (a weighing over a job's first steps, where lookups have little text
+    # to draft from, may find speculation far behind a few steps before it is ahead)
+    assert 4 * EXPLORE < MAX_EXPLORE
+    far = [EXPLORE, 2 * EXPLORE, 4 * EXPLORE, MAX_EXPLORE, 2 * MAX_EXPLORE]
+    for spec_slowdown, expected in ((8.0, far), (4.5, list(range(EXPLORE, MAX_EXPLORE + 1,
+                                                                   EXPLORE)))):
         policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
         seqs = rows_with(policy, 4, "d", 0.9)
         set_slowdowns(policy, spec_slowdown, 1.0)
@@ -855,8 +916,7 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
                 policy.choose_lengths([(s, "d", 4, False) for s in seqs], 0, lookups=True)
                 if policy._try_left:    # a try of speculation (close behind, at the interval)
                     break
-        assert weighed == list(range(every, weighed[-1] + 1, every))
-        assert weighed[-1] == (2 * MAX_EXPLORE if policy._far else MAX_EXPLORE)
+        assert weighed == expected
 
 
 @pytest.mark.parametrize("most_rows", [4, 40])

@@ -6,6 +6,7 @@ hotter than max_spec_temperature)."""
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,8 +49,8 @@ PROMPT_TIMED = 64
 # Plans of at most this many slots are weighed in plain Python (SpecPolicy._plan): at one to
 # four rows numpy's per-call costs were most of a weighing's ~0.1 ms, a step in 25 at one row.
 SMALL_PLAN = 16
-# Mixes of temperatures whose measurements are kept besides the current one (_use_mix): a
-# worker serving jobs of many temperatures holds a bounded state.
+# Mixes of temperatures and batch-size bands whose measurements are kept besides the current
+# one (_use_mix): a worker serving jobs of many temperatures holds a bounded state.
 MAX_MIXES = 64
 # A model draft's measured time against what the start-up costs predict for the levels it
 # ran (SpecPolicy.observe_draft): the draft's costs in plans and routing are scaled by the
@@ -166,6 +167,13 @@ def temperature_bucket(seq: Sequence) -> float:
     return round(seq.params.temperature, 1)
 
 
+def batch_band(num_rows: int) -> int:
+    """The band of batch sizes the policy keeps measurements and a lead per: log2 of the
+    rows, rounded (1; 2; 3-5; 6-11; 12-22; 23-45; 46-90; ...), so that a full batch of a
+    power of two, give or take the rows that finish and join, stays in one."""
+    return round(math.log2(max(num_rows, 1)))
+
+
 class SpecPolicy:
     def __init__(self, config: EngineConfig, max_model_len: int):
         self.config = config
@@ -184,6 +192,8 @@ class SpecPolicy:
         self._interval, self._since = EXPLORE, 0  # steps between tries of the other side
         self._try_left = 0                  # steps of a try of the other side still to run
         self._far = False                   # the side behind was far behind when last weighed
+        self._far_gap = EXPLORE             # steps between weighings of lookup rows while
+        #                                     plain leads and speculation is far behind
         self._speculated = False            # whether the last step speculated
         self._trying = False                # whether this step is part of a try
         self._try_measured = 0              # measured steps of the try on (or the last)
@@ -199,8 +209,9 @@ class SpecPolicy:
         # that does not lead)
         self._chosen: tuple[bool, float, float, bool] | None = None
         # The measurements and the lead above are those of the batch's current mix of
-        # temperatures; each mix seen keeps its own (_use_mix).
+        # temperatures and band of batch sizes; each seen keeps its own (_use_mix).
         self._mix: tuple | None = None
+        self._band: int | None = None
         self._mixes: dict[tuple, tuple] = {}
         # model draft -> averages of [predicted, measured] seconds of its timed calls, and
         # calls timed (observe_draft), for the current mix; this step's predictions
@@ -442,6 +453,11 @@ class SpecPolicy:
         # far ahead is tried at once (`ahead`)
         behind_c, lead_c = (plain_c, spec_c) if self._winner else (spec_c, plain_c)
         close = behind_c >= TRY_MARGIN * lead_c or len(self.measured) < 2
+        # while lookups feed the rows and plain leads, a side far behind is weighed again
+        # after EXPLORE steps, then after twice as many each time it is still far behind, up
+        # to MAX_EXPLORE (plain_step)
+        self._far_gap = EXPLORE if close or not self._far else \
+            min(2 * self._far_gap, MAX_EXPLORE)
         self._far = not close
         if self._try_left and spec_n:    # a try goes on
             speculate = not self._winner
@@ -535,17 +551,21 @@ class SpecPolicy:
         speculation is due. The engine asks before any source drafts, so that such a step
         costs what a plain engine's does. Plans are weighed every EXPLORE steps where rows
         draft from lookups (`lookups`: what they find changes with the text, and a job-wide
-        trie fills as rows finish, so speculation may take the lead without a try), every
-        MAX_EXPLORE steps while the last weighing found speculation far behind (at 32 rows
-        and T = 0.8, suffix drafts' weighings every EXPLORE steps took 2.2 ms more than a
-        plain step each, 3.7% of a run that stays plain); else
+        trie fills as rows finish, so speculation may take the lead without a try); while
+        weighings find speculation far behind, after a gap that doubles with each, from
+        EXPLORE to MAX_EXPLORE steps (at 32 rows and T = 0.8, suffix drafts' weighings every
+        EXPLORE steps took 2.2 ms more than a plain step each, 3.7% of a run that stays
+        plain; going straight to MAX_EXPLORE, a weighing over the new rows of a job's first
+        steps, which lookups have little text to draft from yet, found speculation far
+        behind and the job ran plain for its next 80 steps where suffix drafts made 1.2x);
+        else
         only when a try may be due (at the try interval, or FAR_EXPLORE steps when
         speculation was far behind at the last weighing; then every EXPLORE steps until one
         starts) and every MAX_EXPLORE steps (new rows may change the plan): a model draft's
         plan changes only with what its tries measure, and weighing every EXPLORE steps cost
         a few percent of a run that stays plain (about 1 ms a weighing at batch size 8).
         mix: mix_of(seqs), where the caller keeps it."""
-        self._use_mix(self.mix_of(seqs) if mix is None else mix)
+        self._use_mix(self.mix_of(seqs) if mix is None else mix, num_rows)
         tried = self._winner is True and self._try_left > 0 and not self._speculated
         if tried:   # a try of plain goes on: its steps run as they do while plain leads
             self._try_left -= 1
@@ -553,7 +573,7 @@ class SpecPolicy:
             step = self._since + 1   # (every interval is a multiple of EXPLORE)
             due = FAR_EXPLORE if self._far else self._interval
             if self._winner is not False or self._try_left or self._fresh or \
-                    (not step % EXPLORE and (lookups and not self._far or
+                    (not step % EXPLORE and (lookups and not step % self._far_gap or
                                              not step % MAX_EXPLORE or
                                              (step >= due and self._may_explore()))):
                 return False
@@ -636,29 +656,38 @@ class SpecPolicy:
         return (best + 1, float(tokens[best] / max(seconds[best], 1e-12)), float(tokens[best]),
                 float(seconds[best]), order, row, depth)
 
-    def _use_mix(self, mix: tuple) -> None:
+    def _use_mix(self, mix: tuple, num_rows: int = 1) -> None:
         """Switch the measurements and the lead to those of this mix of temperatures (each
-        rounded to 0.1) among the rows that may speculate. What speculation measured at one
-        temperature says little at another: at T = 0 it may be near break-even where at
-        T = 0.8 it loses, and an engine that serves one job and then another (a worker, the
-        bench's cells) would otherwise speculate at a loss until its averages caught up."""
-        if mix == self._mix:
+        rounded to 0.1) among the rows that may speculate, at this band of batch sizes
+        (batch_band). What speculation measured at one temperature says little at another:
+        at T = 0 it may be near break-even where at T = 0.8 it loses, and an engine that
+        serves one job and then another (a worker, the bench's cells) would otherwise
+        speculate at a loss until its averages caught up. Nor does what a side measured at
+        a few rows hold at 32: what a step costs besides the forwards (Python, sampling,
+        bookkeeping) is about the same at any batch size, so measured against the forwards
+        it weighs far more at a few rows. With one state for all batch sizes, the steps at
+        the end of a job of 32 rows (the last rows finishing, 1 to 6 at a time) raised
+        speculation's measured slowdown from 1.25 to 1.9; the next job started with it,
+        found speculation far behind plain and ran plain for 80 steps of its 250."""
+        band = batch_band(num_rows)
+        if mix == self._mix and band == self._band:
             return
         if self._mix is not None:    # (the first mix seen takes the state as it is)
-            self._mixes[self._mix] = (self.measured, self.observed, self._winner,
-                                      self._interval, self._since, self._far,
-                                      self._draft_timed)
+            self._mixes[(self._mix, self._band)] = (
+                self.measured, self.observed, self._winner, self._interval, self._since,
+                self._far, self._draft_timed)
             while len(self._mixes) > MAX_MIXES:          # the least recently left first
                 del self._mixes[next(iter(self._mixes))]
             self.measured, self.observed, self._winner, self._interval, self._since, \
                 self._far, self._draft_timed = self._mixes.pop(
-                    mix, ({}, {}, None, EXPLORE, 0, False, {}))
+                    (mix, band), ({}, {}, None, EXPLORE, 0, False, {}))
             # a try of the mix left, ended or not, says nothing of this one's lead
             self._try_left, self._fresh, self._trying = 0, False, False
+            self._far_gap = EXPLORE
             self._chosen = None
             self._unconfirmed = None
             self._draft_pred = {}
-        self._mix = mix
+        self._mix, self._band = mix, band
 
     def _may_explore(self) -> bool:
         """Whether the tries so far leave room in EXPLORE_BUDGET for another."""
@@ -715,7 +744,12 @@ class SpecPolicy:
         before it took the lead, doubled. A try of speculation while plain
         leads drafts only for some rows (_behind), and the plan over every row it is weighed
         on can do worse than the try measured; without this, speculation at 64 rows and
-        T = 0.8 took the lead and lost it every 20-30 steps."""
+        T = 0.8 took the lead and lost it every 20-30 steps. The first lead of a mix (no side
+        led before) is the start-up costs' choice, not exploration, and is not charged: at
+        32 rows and T = 0, a job's first lead of speculation over rows with no text yet for
+        suffix drafts was reversed after 10 steps, and its charge held every try back for
+        the next 400 steps of the job while speculation would have made 1.2x plain."""
+        first = self._winner is None
         reversed_ = fresh and self._unconfirmed is not None
         if reversed_:
             lead_s, lead_tokens = self._unconfirmed
@@ -726,7 +760,7 @@ class SpecPolicy:
         self._interval_before = self._interval
         self._winner, self._interval, self._since = speculate, interval, 0
         self._try_left = 0
-        self._unconfirmed = [0.0, 0] if speculate else None
+        self._unconfirmed = [0.0, 0] if speculate and not first else None
         # The new leader's averages restart from its steps as leader (a try of speculation
         # may have drafted for a few rows only); the first step of speculation's lead, in
         # which the rows the try left out catch up, is a cost of switching, not measured.
