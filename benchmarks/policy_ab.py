@@ -3,7 +3,9 @@ another git revision, in one process, on the demo models: a plain engine and two
 one method, one of which runs the other revision's SpecPolicy (over the same measured step
 costs), take turns step by step (batchspec.tools.bench.run_engines_in_turns), so that a
 stretch in which a shared machine runs slower lands on all three alike. Prints each
-round's speedup over plain of both policies and the medians; `batchspec bench` runs its
+round's speedup over plain of both policies and the medians (the first round, each
+engine's first job, where the policies start from nothing, is printed and left out of the
+medians); `batchspec bench` runs its
 methods in separate engines too, but compares only the tree it runs from.
 
     python benchmarks/policy_ab.py --against HEAD~1 --method suffix-adaptive \\
@@ -101,17 +103,20 @@ def main() -> int:
     speedups: dict[str, list[float]] = {"tree": [], other: []}
     print(f"{args.method}, B={args.batch_size}, T={args.temperature}, {dtype}: x plain, "
           "paired (share of rows' rounds that drafted)")
-    for r in range(args.repeats + 1):     # the first round warms up, untimed
+    for r in range(args.repeats + 1):
         res = run_engines_in_turns(llms, ids, domains=domains, temperature=args.temperature,
                                    max_tokens=args.max_tokens)
+        # tokens per second (at T > 0 the methods' outputs, so their lengths, differ)
+        ratios = {name: res[name]["tokens"] / res[name]["wall_s"]
+                  / (res["plain"]["tokens"] / res["plain"]["wall_s"]) for name in speedups}
         if r:
             for name, values in speedups.items():
-                # tokens per second (at T > 0 the methods' outputs, so their lengths, differ)
-                values.append(res[name]["tokens"] / res[name]["wall_s"]
-                              / (res["plain"]["tokens"] / res["plain"]["wall_s"]))
-            print(f"round {r}: " + ", ".join(
-                f"{name} {v[-1]:.3f} ({res[name]['round_shares'][0]:.2f})"
-                for name, v in speedups.items()), flush=True)
+                values.append(ratios[name])
+        # the first round is each engine's first job (the policies start from nothing); it
+        # is shown but left out of the medians, which are of jobs after it
+        print(f"round {r}{' (first job, not in the medians)' if not r else ''}: " + ", ".join(
+            f"{name} {ratios[name]:.3f} ({res[name]['round_shares'][0]:.2f})"
+            for name in speedups), flush=True)
     print("median: " + ", ".join(f"{name} {statistics.median(v):.3f}"
                                  for name, v in speedups.items()))
     return 0
