@@ -6,8 +6,10 @@ depth; a suffix draft's class is its evidence, suffix.evidence_class) stays abov
 threshold, the best threshold taken: what per-slot admission could make with its estimates
 right from the first step; "accepted drafts only": an oracle that verifies exactly the drafts
 the target accepts; "all k accepted": every round drafting k tokens, all accepted. Each is
-given end to end (the prompts' tokens included: plain decoding pays them too, and no draft
-makes them cheaper) and for the decode steps alone.
+given end to end (the prompt tokens the run computed included: plain decoding pays them
+too, and no draft makes them cheaper; those read from the prefix cache cost nothing, and
+after --warm-up, as in `batchspec bench`'s rounds after the first, most are) and for the
+decode steps alone.
 
 Prices come from one engine's start-up timings (batchspec.spec.policy.StepCosts) at the
 job's batch size, shared by every method of the run: a row's share of a decode step, what a
@@ -18,7 +20,7 @@ sources draft for free), the steps an adaptive engine runs plain and the end of 
 where fewer rows than the batch remain. `batchspec bench` measures what a method makes;
 this says what its drafts, and better ones, are worth by the forwards' costs.
 
-    python benchmarks/job_bound.py                                  # suffix, 32 rows, T = 0
+    python benchmarks/job_bound.py                  # suffix, 32 rows, T = 0, a fresh engine
     python benchmarks/job_bound.py --methods suffix,suffix-adaptive --warm-up --k 8
 """
 from __future__ import annotations
@@ -68,8 +70,9 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--bar", type=float, default=1.4, help="a ratio to plain to solve for")
     ap.add_argument("--warm-up", action="store_true",
-                    help="run the job once before the run counted (adaptive lengths then start "
-                         "with what they learned, as in `batchspec bench`)")
+                    help="run the job once before the run counted, as `batchspec bench` does "
+                         "(adaptive lengths start with what they learned; prompts are mostly "
+                         "in the prefix cache)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     models = demo_models()
@@ -82,14 +85,13 @@ def main():
         ap.error(f"not a drafting method of `batchspec bench`: {', '.join(bad)}")
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens)
     domains = [p["domain"] for p in prompts]
-    b, costs, plain, prompt_s = a.batch_size, None, 0.0, 0.0
+    b, costs = a.batch_size, None
     for method in methods:
         llm = make_llm(method, models, b, a.k, 0, 0.0, 1, dtype)
         if costs is None:   # one set of start-up timings prices every method
             costs = llm.engine.policy.costs or llm.engine.measure_step_costs()
             row_s = costs.target_s(b, 1) / b               # a row's share of a decode step
             token_s = costs.verified_token_s(b)            # a verified token beside it
-            prompt_s = costs.prompt_token_s * sum(len(i) for i in ids)
             print(f"{len(ids)} prompts of {sum(map(len, ids)) / len(ids):.1f} tokens, "
                   f"{a.max_tokens} new tokens, batch {b}, T = {a.temperature}, {dtype}, k = {a.k}")
             print(f"step costs at {b} rows: a decoded token {row_s * 1e3:.4f} ms, a verified "
@@ -102,6 +104,10 @@ def main():
         rounds_log, outs = _run_logged(llm, ids, params, domains)
         llm.close()
         decodes = sum(max(o.stats["tokens_generated"] - 1, 0) for o in outs)  # (1st: prefill)
+        # the prompt tokens computed (not read from the prefix cache: after --warm-up, most
+        # of them, as in `batchspec bench`'s rounds); plain decoding would compute the same
+        computed = sum(len(o.prompt_token_ids) - o.num_cached_prompt_tokens for o in outs)
+        prompt_s = computed * costs.prompt_token_s
         plain_decode = decodes * row_s
         plain = prompt_s + plain_decode
         cases = [_decode_s(rounds_log, lambda r: r[1], decodes, row_s, token_s),
@@ -113,9 +119,9 @@ def main():
         print(f"{method:24}" + "".join(
             f"{plain / (prompt_s + t):>13.3f} / {plain_decode / t:.3f}" for t in cases) +
             f"   ({len(rounds_log)} rounds, {slots / len(rounds_log):.2f} drafts and "
-            f"{accepted / len(rounds_log):.2f} accepted a round)")
-    print(f"(end to end / decode steps alone; prompts are {prompt_s / plain:.1%} of plain "
-          f"decoding's forwards)")
+            f"{accepted / len(rounds_log):.2f} accepted a round; {computed} prompt tokens "
+            f"computed, {prompt_s / plain:.1%} of plain decoding's forwards)")
+    print("(end to end / decode steps alone)")
     p = needed_acceptance(a.bar, a.k, plain, prompt_s, decodes, row_s, token_s)
     print(f"{a.bar}x end to end with every round drafting {a.k}: " +
           (f"a per-token acceptance of {p:.3f} or more" if p is not None else "out of reach"))
