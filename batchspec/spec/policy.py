@@ -666,9 +666,10 @@ class SpecPolicy:
         a few rows hold at 32: what a step costs besides the forwards (Python, sampling,
         bookkeeping) is about the same at any batch size, so measured against the forwards
         it weighs far more at a few rows. With one state for all batch sizes, the steps at
-        the end of a job of 32 rows (the last rows finishing, 1 to 6 at a time) raised
-        speculation's measured slowdown from 1.25 to 1.9; the next job started with it,
-        found speculation far behind plain and ran plain for 80 steps of its 250."""
+        the end of a job of 32 rows (the last rows finishing, 1 to 6 at a time) left
+        speculation's measured slowdown at 1.4-1.5 where full batches measure 1.1-1.2; the
+        next job could start with it, find speculation far behind plain and run plain for
+        80 steps of its 250 (benchmarks/policy_trace.py)."""
         band = batch_band(num_rows)
         if mix == self._mix and band == self._band:
             return

@@ -1,0 +1,75 @@
+"""Which side each step of an adaptive engine ran, job after job on one engine (the demo
+models, held-out prompts): per job its tokens per second and a line of one character a
+step, `S` a speculating step, `t` a plain step of a try of plain while speculation leads,
+`.` a plain step; then each side's slowdown (predicted / measured tokens per second,
+SpecPolicy._slowdown) for the band of batch sizes of the job's full batches. The first job
+is the engine's first: what a fresh worker does. To trace an earlier policy, put its
+batchspec/spec/policy.py in the tree (git show REV:batchspec/spec/policy.py).
+
+    python benchmarks/policy_trace.py --method suffix-adaptive --batch-size 32 --jobs 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from batchspec import SamplingParams  # noqa: E402
+from batchspec.config import default_dtype  # noqa: E402
+from batchspec.demo import demo_models  # noqa: E402
+from batchspec.spec import policy as policy_module  # noqa: E402
+from batchspec.tools import hfref  # noqa: E402
+from batchspec.tools.bench import _start_afresh, make_llm  # noqa: E402
+from batchspec.tools.evaluate import load_prompts  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="suffix-adaptive")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--jobs", type=int, default=3)
+    a = ap.parse_args()
+    if not a.method.endswith(("-adaptive", "-routed")):
+        ap.error(f"{a.method} has no adaptive policy: give a method ending in -adaptive or "
+                 "-routed")
+    torch.set_num_threads(1)
+    models = demo_models()
+    prompts = load_prompts(None, None, a.num_prompts, split="heldout")
+    tok = hfref.load_tokenizer(models["target"])
+    ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    llm = make_llm(a.method, models, a.batch_size, 4, 0, 0.0, 1,
+                   default_dtype(models["target"], "cpu"))
+    engine, policy = llm.engine, llm.engine.policy
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens)
+    for job in range(a.jobs):
+        _start_afresh(llm)      # (each job starts with empty job-wide suffix tries)
+        llm.add_requests(ids, params, [p["domain"] for p in prompts])
+        steps, tokens, t0 = [], 0, time.perf_counter()
+        while engine.has_unfinished():
+            tokens += engine.step()[1]
+            steps.append("S" if policy._speculated else "t" if policy._trying else ".")
+        rate = tokens / (time.perf_counter() - t0)
+        print(f"job {job + 1}: {rate:.0f} tok/s, {len(steps)} steps")
+        line = "".join(steps)
+        for i in range(0, len(line), 100):
+            print("  " + line[i:i + 100])
+        # the state of the full batches' band (the job's last steps are in smaller ones; a
+        # policy of before the bands, swapped in to compare, has one state)
+        band = getattr(policy_module, "batch_band", None)
+        state = policy._mixes.get((policy._mix, band(a.batch_size))) if band else None
+        measured = state[0] if state is not None else policy.measured
+        slowdowns = {side: m[0] / m[1] / (m[2] / m[3]) for side, m in measured.items()}
+        print("  slowdown at full batches: " + ", ".join(
+            f"{'speculating' if side else 'plain'} {v:.2f}"
+            for side, v in sorted(slowdowns.items())))
+
+
+if __name__ == "__main__":
+    main()
