@@ -133,9 +133,11 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
         "--target", tiny_llama, "--draft", tiny_draft, "--draft-code", tiny_llama,
         "--draft-docs", tiny_draft, "--data", prompts_parquet, "--max-tokens", "8",
         "--batch-sizes", "1,2", "--temperatures", "0,0.8", "--num-prompts", "1",
-        "--min-batches", "2", "--json", str(out)])
+        "--min-batches", "2", "--fresh-prompts", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    rows = json.loads(out.read_text())["rows"]
+    info = json.loads(out.read_text())
+    rows = info["rows"]
+    assert info["fresh_prompts"] is True
     assert {r["method"] for r in rows} == set(METHODS)
     assert len(rows) == 2 * 2 * len(METHODS) - 2  # assisted generation: batch size 1 only
     for r in rows:
@@ -143,6 +145,26 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
         assert r["num_prompts"] == 2 * r["batch_size"]   # two full batches a cell
     spec = [r for r in rows if r["method"] == "spec-domain" and r["temperature"] == 0.0]
     assert all(0 < r["alpha"] < 1 and "observed_over_theoretical" in r for r in spec)
+
+
+def test_bench_fresh_prompts_has_every_run_compute_its_prompts(tiny_llama):
+    """A bench round runs the same prompts as the round before: its prompts' full blocks come
+    from the prefix cache, unless --fresh-prompts empties it first, as a job of new prompts
+    finds it."""
+    from batchspec import SamplingParams
+    from batchspec.tools.bench import _start_afresh, make_llm
+    models = dict.fromkeys(("target", "draft", "draft-code", "draft-docs"), tiny_llama)
+    llm = make_llm("plain", models, 2, 3, 0, 0.0, 1, "float32")
+    prompts = [list(range(1, 40)), list(range(2, 41))]    # two full blocks of 16 each
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    def cached(fresh_prompts):
+        _start_afresh(llm, fresh_prompts)
+        return [o.num_cached_prompt_tokens for o in llm.generate(prompts, params,
+                                                                 use_tqdm=False)]
+    assert cached(False) == [0, 0]          # the first run
+    assert cached(False) == [32, 32]        # the same prompts again: from the cache
+    assert cached(True) == [0, 0]
 
 
 def test_bench_pairs_each_rounds_runs_for_its_ratios():

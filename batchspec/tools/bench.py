@@ -96,9 +96,11 @@ def run_assisted(model, draft, prompt_ids, *, temperature, max_tokens, eos_id, s
     return {"tokens": tokens, "wall_s": time.perf_counter() - t0}
 
 
-def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0):
-    """One run of one engine method over prompt_ids (a whole job, timed as a whole)."""
-    _start_afresh(llm)
+def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0,
+               fresh_prompts=False):
+    """One run of one engine method over prompt_ids (a whole job, timed as a whole);
+    fresh_prompts: see _start_afresh."""
+    _start_afresh(llm, fresh_prompts)
     t0 = time.perf_counter()
     outs = llm.generate(prompt_ids, _params(temperature, top_p, max_tokens),
                         domains=domains[:len(prompt_ids)], use_tqdm=False)
@@ -109,7 +111,7 @@ SLICE_S = 0.05   # seconds an engine steps in a turn of --turns steps
 
 
 def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0,
-                        slice_s=SLICE_S, on_step=None):
+                        slice_s=SLICE_S, on_step=None, fresh_prompts=False):
     """One run of each engine method ({method: LLM}) over the same prompts, the engines
     taking turns: each takes steps for slice_s seconds (at least one step; slice_s=0: one
     step), then the next, the first of each turn rotating. A method's time is the sum of its
@@ -120,12 +122,12 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
     engines, whichever finishes first (a step right after other engines' runs 4-30% slower
     than back to back, its weights and cache evicted: benchmarks/bench_turns.py
     --interleave), and the last stretch of the slowest job is paired too. on_step(turn,
-    method, seconds, tokens) follows every timed step. Returns run_engine's result per
-    method."""
+    method, seconds, tokens) follows every timed step; fresh_prompts: see _start_afresh.
+    Returns run_engine's result per method."""
     params = _params(temperature, top_p, max_tokens)
     seqs, spent = {}, dict.fromkeys(llms, 0.0)
     for method, llm in llms.items():
-        _start_afresh(llm)
+        _start_afresh(llm, fresh_prompts)
         seqs[method] = llm.add_requests(prompt_ids, params, domains[:len(prompt_ids)])
     results, order, turn = {}, list(llms), 0
     try:
@@ -164,12 +166,16 @@ def _params(temperature, top_p, max_tokens):
     return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
 
 
-def _start_afresh(llm):
-    """Each run starts with empty job-wide suffix tries."""
+def _start_afresh(llm, fresh_prompts=False):
+    """Each run starts with empty job-wide suffix tries; with fresh_prompts, with an empty
+    prefix cache too, so that it computes its prompts as a job of new prompts does (else a
+    run after the first reads the full blocks of the same prompts from the cache)."""
     from batchspec.spec.suffix import SuffixProposer
     for proposer in llm.engine.proposers.values():
         if isinstance(proposer, SuffixProposer):
             proposer.domains.clear()
+    if fresh_prompts:
+        llm.engine.block_manager.reset_prefix_cache()
 
 
 def _engine_result(outs, wall):
@@ -290,11 +296,14 @@ def print_table(rows):
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
               show_default=True, help="For every method alike; auto: as the engine runs the "
               "target on this CPU.")
+@click.option("--fresh-prompts", is_flag=True, help="Empty every engine's prefix cache before "
+              "each run, so that every run computes its prompts as a job of new prompts "
+              "does (by default runs after the first read their full blocks from the cache).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_prompts,
           min_batches, max_tokens, batch_sizes, temperatures, methods, k, threshold, repeats,
-          turns, slice_ms, threads, dtype, seed, json_path):
+          turns, slice_ms, threads, dtype, fresh_prompts, seed, json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
     from batchspec.models.loader import num_parameters
     models = {"target": target, "draft": draft, "draft-code": draft_code,
@@ -356,7 +365,8 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                                            **common)
                 else:
                     runs[method] = partial(run_engine, llms[method], domains=domains,
-                                           temperature=t, max_tokens=max_tokens)
+                                           temperature=t, max_tokens=max_tokens,
+                                           fresh_prompts=fresh_prompts)
                 # one batch first: first-call costs (allocation, lazy init) and what adaptive
                 # lengths learn in a job's first steps are not the throughput of a long job
                 runs[method](prompt_ids[:max(2, b)])
@@ -370,7 +380,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                     for method, res in run_engines_in_turns(
                             {m: llms[m] for m in stepped}, prompt_ids, domains=domains,
                             temperature=t, max_tokens=max_tokens,
-                            slice_s=slice_ms / 1000).items():
+                            slice_s=slice_ms / 1000, fresh_prompts=fresh_prompts).items():
                         results[method].append(res)
                 for method, run in runs.items():
                     if method not in stepped or len(stepped) == 1:
@@ -395,6 +405,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 "max_tokens": max_tokens,
                 "k": k, "dtype": dtype, "confidence_threshold": threshold, "repeats": repeats,
                 "turns": turns, "slice_ms": slice_ms if turns == "steps" else None,
+                "fresh_prompts": fresh_prompts,
                 "cost_ratio": round(cost, 4), "rows": rows}
         with open(json_path, "w") as f:
             json.dump(info, f, indent=1)
