@@ -13,11 +13,12 @@ decode steps alone.
 
 Prices come from one engine's start-up timings (batchspec.spec.policy.StepCosts) at the
 job's batch size, shared by every method of the run: a row's share of a decode step, what a
-verified token adds to a forward, what a prompt token adds. Left out, on both sides: what a
-step costs besides its forwards (Python, sampling, bookkeeping; per step, so a little
-less per token for speculation's fewer steps); and a model draft's own forwards (lookup
-sources draft for free), the steps an adaptive engine runs plain and the end of the job,
-where fewer rows than the batch remain. `batchspec bench` measures what a method makes;
+verified token adds to a forward, what a prompt token adds. Left out: what a step costs
+besides its forwards, on both sides (Python, sampling, bookkeeping; per step, so a little
+less per token for speculation's fewer steps); a model draft's own forwards (lookup sources
+draft for free); the steps an adaptive engine runs plain; and the end of the job, where
+fewer rows than the batch remain. So the figures are no bound: the bench measured 0.92 or
+so of the drafts-as-run figure at 32 rows, T = 0 (docs/benchmarks.md, twenty-fourth round). `batchspec bench` measures what a method makes;
 this says what its drafts, and better ones, are worth by the forwards' costs.
 
     python benchmarks/job_bound.py                  # suffix, 32 rows, T = 0, a fresh engine
@@ -97,7 +98,7 @@ def main():
             print(f"step costs at {b} rows: a decoded token {row_s * 1e3:.4f} ms, a verified "
                   f"token {token_s * 1e3:.4f} ms ({token_s / row_s:.2f} of it), a prompt token "
                   f"{costs.prompt_token_s * 1e3:.4f} ms")
-            print(f"{'x plain, at most':24}" + "".join(f"{c:>22}" for c in CASES))
+            print(f"{'x plain, by the forwards':24}" + "".join(f"{c:>22}" for c in CASES))
         if a.warm_up:
             llm.generate(ids, params, domains=domains, use_tqdm=False)
             _start_afresh(llm)

@@ -65,7 +65,9 @@ def main():
         band = getattr(policy_module, "batch_band", None)
         state = policy._mixes.get((policy._mix, band(a.batch_size))) if band else None
         measured = state[0] if state is not None else policy.measured
-        slowdowns = {side: m[0] / m[1] / (m[2] / m[3]) for side, m in measured.items()}
+        current, policy.measured = policy.measured, measured   # (as the policy reads it)
+        slowdowns = {side: policy._slowdown(side) for side in measured}
+        policy.measured = current
         print("  slowdown at full batches: " + ", ".join(
             f"{'speculating' if side else 'plain'} {v:.2f}"
             for side, v in sorted(slowdowns.items())))

@@ -641,12 +641,12 @@ def test_each_band_of_batch_sizes_keeps_its_own_measurements_and_lead():
                 policy.observe(seconds, tokens * (spec_speed if speculate else 1.0))
     run(seqs, 30, 1.0)                        # full batches: speculation leads
     assert policy._winner is True
-    full = [list(v) for v in policy.measured.values()]
+    full = {side: list(v) for side, v in policy.measured.items()}
     policy._busy_s = 1000.0                   # (the budget holds no try back)
     run(seqs[:2], 30, 1 / 8)                  # the job's last two rows: it loses there
     assert policy._winner is False
     run(seqs, 1, 1.0)                         # the next job's first step
-    assert policy._winner is True and policy.measured[True] == full[0]
+    assert policy._winner is True and policy.measured == full
 
 
 def test_prompt_work_beside_a_try_is_not_charged_to_the_tries_budget():
