@@ -1,5 +1,6 @@
 """The suffix-draft source's own cost (no model): the C++ trie (kernels/suffix_trie.cpp)
-against the Python one, on the work a job gives it.
+against the Python one, on the work a job gives it; "cpp-trie" is the C++ source with a trie
+for each request's own text too, as before RequestText scanned the text instead.
 
 Every row of a job is a held-out standard-library excerpt: its first `--prompt-tokens` tokens
 are the prompt, the next `--output-tokens` the output, generated `--per-step` tokens per
@@ -22,6 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec import SamplingParams  # noqa: E402
 from batchspec.engine.sequence import Sequence  # noqa: E402
+from batchspec.spec import suffix  # noqa: E402
 from batchspec.spec.suffix import SuffixProposer  # noqa: E402
 
 
@@ -78,22 +80,27 @@ def main():
     a = ap.parse_args()
     rows = job_rows(a.rows, a.prompt_tokens, a.output_tokens)
     steps = a.rows * -(-a.output_tokens // a.per_step)
-    times: dict[str, list[float]] = {"cpp": [], "python": []}
+    times: dict[str, list[float]] = {"cpp": [], "cpp-trie": [], "python": []}
     drafts = {}
-    for _ in range(a.repeats):       # the two take turns: a busy stretch hits both
-        for name, flag in (("cpp", "1"), ("python", "0")):
+    own_text = suffix.new_request_text
+    for _ in range(a.repeats):       # they take turns: a busy stretch hits each
+        for name, flag in (("cpp", "1"), ("cpp-trie", "1"), ("python", "0")):
             os.environ["BATCHSPEC_SUFFIX_NATIVE"] = flag
+            suffix.new_request_text = suffix.new_trie if name == "cpp-trie" else own_text
             seconds, drafts[name] = run(rows, a.prompt_tokens, a.per_step, a.k, a.batch)
             times[name].append(seconds)
-    assert drafts["cpp"] == drafts["python"], "the two tries drafted different tokens"
+    suffix.new_request_text = own_text
+    assert drafts["cpp"] == drafts["python"] == drafts["cpp-trie"], \
+        "the sources drafted different tokens"
     found = sum(map(bool, drafts["cpp"])) / len(drafts["cpp"])
     print(f"{a.rows} rows ({a.prompt_tokens} + {a.output_tokens} tokens, {a.per_step} per "
           f"step, batch {a.batch}), k = {a.k}: {steps} row-steps, {found:.0%} with a draft")
     med = {n: statistics.median(t) for n, t in times.items()}
     for name, t in times.items():
-        print(f"  {name:6s} median {med[name] * 1e3:8.1f} ms  ({1e6 * med[name] / steps:6.1f} "
+        print(f"  {name:8s} median {med[name] * 1e3:8.1f} ms  ({1e6 * med[name] / steps:6.1f} "
               f"us per row-step; runs {', '.join(f'{1e3 * x:.0f}' for x in t)} ms)")
-    print(f"  python / cpp: {med['python'] / med['cpp']:.2f}x")
+    print(f"  python / cpp: {med['python'] / med['cpp']:.2f}x, cpp-trie / cpp: "
+          f"{med['cpp-trie'] / med['cpp']:.2f}x")
 
 
 if __name__ == "__main__":

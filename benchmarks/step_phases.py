@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import batchspec.engine.engine as engine_module  # noqa: E402
+from batchspec.config import default_dtype  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
 from batchspec.spec.proposer import DraftModelProposer  # noqa: E402
 from batchspec.tools import hfref  # noqa: E402
@@ -92,6 +93,8 @@ def main():
                     help="default: max(32, 8 x batch size)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="auto: the CPU's dtype for the demo, as batchspec bench runs it")
     ap.add_argument("--draft-after-target", action="store_true",
                     help="also time the first model draft's round back to back and right "
                          "after a target forward (what the target's forward leaves of the "
@@ -104,6 +107,7 @@ def main():
                  f"{', '.join(engine_methods)}")
     torch.set_num_threads(1)
     models = demo_models()
+    dtype = default_dtype(models["target"], "cpu") if args.dtype == "auto" else args.dtype
     num = args.num_prompts or max(32, 8 * args.batch_size)
     prompts = load_prompts(None, args.domain, num, split="heldout", seed=0)
     tok = hfref.load_tokenizer(models["target"])
@@ -115,7 +119,7 @@ def main():
     columns = []
     after = []   # the draft round's check, for the first method with a model draft
     for method in args.methods.split(","):
-        llm = make_llm(method, models, args.batch_size, args.k, 0, 0.0, 1, "float32")
+        llm = make_llm(method, models, args.batch_size, args.k, 0, 0.0, 1, dtype)
         instrument(llm, clock)
         totals = dict.fromkeys(PHASES, 0.0)
         steps = tokens = 0
@@ -140,7 +144,7 @@ def main():
                 isinstance(p, DraftModelProposer) for p in llm.engine.proposers.values()):
             after.append(lambda llm=llm: draft_after_target(llm, args.batch_size, args.k))
         del llm
-    print(f"batch size {args.batch_size}, T={args.temperature}, {len(ids)} prompts, "
+    print(f"batch size {args.batch_size}, T={args.temperature}, {dtype}, {len(ids)} prompts, "
           f"{args.max_tokens} new tokens each; ms per step (ms per token)")
     print(f"{'phase':<18}" + "".join(f"{m:>22}" for m in args.methods.split(",")))
     for phase in PHASES + ["step"]:

@@ -115,6 +115,48 @@ def test_cpp_trie_drafts_what_the_python_trie_drafts():
     assert trie_counts(py) == trie_counts(cpp) and py.num_nodes() == cpp.num_nodes()
 
 
+def test_cpp_request_text_drafts_what_a_trie_over_the_text_drafts():
+    """A request's own part: the C++ RequestText scans its text where the Python proposer
+    keeps a trie over it. Random growing texts over a small vocabulary (many ties, long
+    repeats), with a job-wide trie beside them: every draft, share and match length agree,
+    at every match, window and frequency cut."""
+    from batchspec.spec._build import cpu_module
+    rng = random.Random(2)
+    for trial in range(40):
+        depth = rng.choice([4, 6, 16])
+        py, cpp = SuffixTrie(depth), cpu_module().RequestText(depth)
+        domain = native_trie(depth)
+        for _ in range(rng.randrange(0, 4)):
+            domain.insert([rng.randrange(4) for _ in range(rng.randrange(1, 20))])
+        text = []
+        for step in range(60):
+            more = [rng.randrange(rng.choice([2, 4, 6])) for _ in range(rng.randrange(0, 4))]
+            text += more
+            room = rng.randrange(0, depth + 1)
+            context = text[-room:] if room else []
+            args = (context, room, rng.randrange(0, 6), rng.choice([0.5, 1.0, 2.0]),
+                    rng.choice([0.0, 0.1, 0.3]), rng.choice([None, domain]))
+            got = cpp.propose(more, *args)
+            want = py.propose(more, *args[:-1], None if args[-1] is None else
+                              _python_copy(args[-1]))
+            assert got == want, (trial, step, text, args[:-1])
+
+
+def _python_copy(native):
+    """A Python SuffixTrie with the same counts and children, in order, as a C++ one."""
+    copy, stack = SuffixTrie(native.depth if hasattr(native, "depth") else 16), [(0, 0)]
+    while stack:
+        node, mine = stack.pop()
+        kids = native.edges(node)
+        for t, child in zip(kids[::2], kids[1::2]):
+            new = len(copy.count)
+            copy.children.append({})
+            copy.count.append(native.node_count(child))
+            copy.children[mine][t] = new
+            stack.append((child, new))
+    return copy
+
+
 def seq_of(tokens, seq_id=0, domain=None):
     return Sequence(seq_id, str(seq_id), tokens, SamplingParams(), seed=0, domain=domain)
 

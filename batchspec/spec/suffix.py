@@ -7,7 +7,7 @@ The structure is a suffix trie bounded in depth: it counts every substring of at
 DEPTH tokens of the texts inserted (a node per distinct substring, its count the number of
 occurrences). Appending a token extends the text's DEPTH open suffixes by one node each, so
 inserting a text of n tokens costs O(n * DEPTH) and removing it the same; nothing is ever
-rebuilt. Memory: at most DEPTH nodes per token held. A request's trie lives while the
+rebuilt. Memory: at most DEPTH nodes per token held. A request's part lives while the
 request runs (prompt + output tokens); a domain's job-wide trie holds the outputs of its most
 recently finished requests up to `max_tokens` tokens in all, the oldest removed first, so it
 never has more than DEPTH * max_tokens nodes (about 83 bytes each in the C++ trie, 250 in
@@ -16,10 +16,12 @@ text that never repeats).
 
 The trie is kernels/suffix_trie.cpp's SuffixTrie when the CPU kernels build, the Python
 SuffixTrie below otherwise (or with BATCHSPEC_SUFFIX_NATIVE=0): the same structure and the
-same drafts, ties included (tests/test_suffix.py), at a fraction of the cost. Every row
-inserts its prompt and output and every finished output enters and later leaves the
-job-wide trie; at 32 rows and more the Python trie's upkeep was a large part of a
-speculating step.
+same drafts, ties included (tests/test_suffix.py), at a fraction of the cost. Every finished
+output enters and later leaves the job-wide trie; at 32 rows and more the Python trie's
+upkeep was a large part of a speculating step. In C++ a request's own part is no trie:
+RequestText keeps the text (4 bytes a token) and scans it for the draft a trie over it
+gives, where a trie grew DEPTH nodes a token, each a hash insert into memory the target's
+forward had just evicted (tested against the Python trie, ties included).
 
 Drafts are deterministic (q one-hot): exactness is the verifier's, as for n-gram drafts."""
 from __future__ import annotations
@@ -203,16 +205,24 @@ def expected_accepted(shares: list[float]) -> float:
 def new_trie(depth: int = DEPTH):
     """A suffix trie: the C++ one when the CPU kernels load, else SuffixTrie."""
     native = _native() if os.environ.get("BATCHSPEC_SUFFIX_NATIVE", "1") != "0" else None
-    return native(depth) if native is not None else SuffixTrie(depth)
+    return native.SuffixTrie(depth) if native is not None else SuffixTrie(depth)
+
+
+def new_request_text(depth: int = DEPTH):
+    """A request's own text for its drafts: kernels/suffix_trie.cpp's RequestText when the
+    CPU kernels load (the drafts of a trie over the text, found by scanning it), else a
+    SuffixTrie. Both take extend() and propose() alike."""
+    native = _native() if os.environ.get("BATCHSPEC_SUFFIX_NATIVE", "1") != "0" else None
+    return native.RequestText(depth) if native is not None else SuffixTrie(depth)
 
 
 @functools.cache
 def _native():
-    """The C++ SuffixTrie class, or None (looked up once: a build that failed is not
-    retried)."""
+    """The C++ module of SuffixTrie and RequestText, or None (looked up once: a build that
+    failed is not retried)."""
     try:
         from batchspec.spec._build import cpu_module
-        return cpu_module().SuffixTrie
+        return cpu_module()
     except Exception as e:  # noqa: BLE001 - no compiler: the Python trie
         log.warning("C++ suffix trie unavailable (%s); using the Python one", e)
         return None
@@ -222,7 +232,7 @@ class _RequestTrie:
     __slots__ = ("trie", "inserted")
 
     def __init__(self):
-        self.trie = new_trie()
+        self.trie = new_request_text()
         self.inserted = 0
 
 
