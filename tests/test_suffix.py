@@ -143,8 +143,9 @@ def test_cpp_request_text_drafts_what_a_trie_over_the_text_drafts():
 
 
 def _python_copy(native):
-    """A Python SuffixTrie with the same counts and children, in order, as a C++ one."""
-    copy, stack = SuffixTrie(native.depth if hasattr(native, "depth") else 16), [(0, 0)]
+    """A Python SuffixTrie with the same counts and children, in order, as a C++ one (to
+    draft from: its depth bounds only what is inserted later)."""
+    copy, stack = SuffixTrie(), [(0, 0)]
     while stack:
         node, mine = stack.pop()
         kids = native.edges(node)
