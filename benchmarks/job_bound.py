@@ -18,8 +18,10 @@ besides its forwards, on both sides (Python, sampling, bookkeeping; per step, so
 less per token for speculation's fewer steps); a model draft's own forwards (lookup sources
 draft for free); the steps an adaptive engine runs plain; and the end of the job, where
 fewer rows than the batch remain. So the figures are no bound: the bench measured 0.92 or
-so of the drafts-as-run figure at 32 rows, T = 0 (docs/benchmarks.md, twenty-fourth round). `batchspec bench` measures what a method makes;
-this says what its drafts, and better ones, are worth by the forwards' costs.
+so of the drafts-as-run figure at 32 rows, T = 0 in the twenty-fourth round, 0.94-1.00 of
+it in the twenty-fifth (the same drafts, their source's upkeep cheaper; docs/benchmarks.md).
+`batchspec bench` measures what a method makes; this says what its drafts, and better
+ones, are worth by the forwards' costs.
 
     python benchmarks/job_bound.py                  # suffix, 32 rows, T = 0, a fresh engine
     python benchmarks/job_bound.py --methods suffix,suffix-adaptive --warm-up --k 8

@@ -264,9 +264,11 @@ struct SuffixTrie {
 // A request's own text (prompt + output) for its suffix drafts: the same drafts as a
 // SuffixTrie over that one text (extend() then draft(context, max_match, 2, ...)), found by
 // scanning the text instead of keeping the trie. A trie grows `depth` nodes per token, each
-// a hash-table insert to memory the target's forward has just evicted: 10 us a row a step at
-// 32 rows. The scan reads the row's own tokens, contiguous, O(text) a step with an early exit
-// at the first differing token; it holds 4 bytes a token where the trie held ~83 per node.
+// a hash-table insert to memory the target's forward has just evicted (with the caches
+// written over, the source cost 42.7 us a row-step so, 17.7 scanning:
+// benchmarks/bench_suffix.py --evict-mb 32). The scan reads the row's own tokens,
+// contiguous, O(text) a step with an early exit at the first differing token; it holds 4
+// bytes a token where the trie held ~83 per node.
 //
 // Why they agree: a string of the text occurs at least twice exactly when it also ends
 // somewhere before the text's end; the trie's children of a string are the tokens after its
@@ -331,9 +333,11 @@ struct RequestText {
     occ.clear();
     for (size_t i = 0; i < ends.size(); ++i)
       if (lens[i] == m) occ.push_back(ends[i]);
-    const int64_t cap = std::min<int64_t>(max_len, static_cast<int64_t>(std::ceil(match_factor * m)));
+    const int64_t cap =
+        std::min<int64_t>(max_len, static_cast<int64_t>(std::ceil(match_factor * m)));
     double prob = 1.0;
-    std::vector<std::pair<int32_t, int32_t>>& counts = counts_;   // (token, count), first seen first
+    // (token, count) of the next tokens, first seen first
+    std::vector<std::pair<int32_t, int32_t>>& counts = counts_;
     while (static_cast<int64_t>(tokens.size()) < cap &&
            m + static_cast<int64_t>(tokens.size()) < depth_) {
       counts.clear();

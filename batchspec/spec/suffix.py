@@ -204,7 +204,7 @@ def expected_accepted(shares: list[float]) -> float:
 
 def new_trie(depth: int = DEPTH):
     """A suffix trie: the C++ one when the CPU kernels load, else SuffixTrie."""
-    native = _native() if os.environ.get("BATCHSPEC_SUFFIX_NATIVE", "1") != "0" else None
+    native = _native_if_wanted()
     return native.SuffixTrie(depth) if native is not None else SuffixTrie(depth)
 
 
@@ -212,8 +212,14 @@ def new_request_text(depth: int = DEPTH):
     """A request's own text for its drafts: kernels/suffix_trie.cpp's RequestText when the
     CPU kernels load (the drafts of a trie over the text, found by scanning it), else a
     SuffixTrie. Both take extend() and propose() alike."""
-    native = _native() if os.environ.get("BATCHSPEC_SUFFIX_NATIVE", "1") != "0" else None
+    native = _native_if_wanted()
     return native.RequestText(depth) if native is not None else SuffixTrie(depth)
+
+
+def _native_if_wanted():
+    """The C++ module, unless BATCHSPEC_SUFFIX_NATIVE=0 asks for the Python trie (read at
+    each call: tests and benchmarks switch it) or it cannot be built."""
+    return _native() if os.environ.get("BATCHSPEC_SUFFIX_NATIVE", "1") != "0" else None
 
 
 @functools.cache
