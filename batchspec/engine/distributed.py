@@ -169,8 +169,9 @@ class TensorParallelRunner(ModelRunner):
             conn.send(("set_num_threads", (torch.get_num_threads(),)))
         self._call("allocate_kv_cache", num_blocks, block_size)
 
-    def forward(self, token_rows, num_computed, block_tables, num_logits):
-        return self._call("forward", token_rows, num_computed, block_tables, num_logits)
+    def forward(self, token_rows, num_computed, block_tables, num_logits, float_logits=True):
+        return self._call("forward", token_rows, num_computed, block_tables, num_logits,
+                          float_logits)
 
     def close(self) -> None:
         """Stop ranks 1..N-1 (also done when this object is garbage collected)."""

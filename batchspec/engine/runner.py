@@ -120,9 +120,13 @@ class ModelRunner:
         return self.model.kv_bytes_per_block(block_size)
 
     def forward(self, token_rows: list[list[int]], num_computed: list[int],
-                block_tables: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-        """Run rows of new tokens; row i starts at position num_computed[i]. Returns fp32
-        logits [sum(num_logits), V] for the last num_logits[i] tokens of each row."""
+                block_tables: list[list[int]], num_logits: list[int],
+                float_logits: bool = True) -> torch.Tensor:
+        """Run rows of new tokens; row i starts at position num_computed[i]. Returns logits
+        [sum(num_logits), V] for the last num_logits[i] tokens of each row: fp32, or with
+        float_logits=False in the dtype the output layer makes them (the same values: bf16
+        logits are bf16 numbers either way), for a reader that converts as it reads
+        (verification)."""
         assert self.kv_caches is not None, "allocate_kv_cache first"
         qlens = [len(t) for t in token_rows]
         flat = [t for row in token_rows for t in row]
@@ -138,10 +142,9 @@ class ModelRunner:
             idx.extend(range(end - k, end))
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), meta,
                             self.kv_caches, self.attention_backend, self.block_size)
-        if len(idx) == hidden.shape[0]:
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[torch.tensor(idx, dtype=torch.long,
-                                                             device=self.device)])
+        if len(idx) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(idx, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(hidden, float_logits)
 
     closed = False   # a tensor-parallel runner closes for good on a failed call
 
