@@ -173,10 +173,9 @@ struct SuffixTrie {
   }
 
   // One row's draft in one call (each call from Python costs more than the walk): append
-  // new_tokens to this request's text, then the better by expected accepted tokens (the sum
-  // of the shares' running products; this trie's on a tie) of this trie's draft, whose match
-  // must occur twice (once is the text's own end), and the domain trie's, where once is
-  // enough. Returns draft()'s triple.
+  // new_tokens to this request's text, then the better (preferred()) of this trie's draft,
+  // whose match must occur twice (once is the text's own end), and the domain trie's, where
+  // once is enough. Returns draft()'s triple.
   Draft propose(
       const std::vector<int64_t>& new_tokens, const std::vector<int64_t>& context,
       int64_t max_match, int64_t max_len, double match_factor, double min_prob,
@@ -185,9 +184,19 @@ struct SuffixTrie {
     auto best = draft(context, max_match, 2, max_len, match_factor, min_prob);
     if (domain != nullptr) {
       auto other = domain->draft(context, max_match, 1, max_len, match_factor, min_prob);
-      if (expected(std::get<1>(other)) > expected(std::get<1>(best))) best = std::move(other);
+      if (preferred(other, best)) best = std::move(other);
     }
     return best;
+  }
+
+  // Whether draft a is proposed over draft b (suffix.py's preferred(), the rule's
+  // reasons there): a draft over none; else the longer match; on equal matches, more
+  // expected accepted tokens; b on a tie.
+  static bool preferred(const Draft& a, const Draft& b) {
+    const bool a_drafts = !std::get<0>(a).empty(), b_drafts = !std::get<0>(b).empty();
+    if (a_drafts != b_drafts) return a_drafts;
+    if (std::get<2>(a) != std::get<2>(b)) return std::get<2>(a) > std::get<2>(b);
+    return expected(std::get<1>(a)) > expected(std::get<1>(b));
   }
 
   static double expected(const std::vector<double>& shares) {
@@ -294,8 +303,7 @@ struct RequestText {
                       max_len, match_factor, min_prob);
     if (domain != nullptr) {
       auto other = domain->draft(context, max_match, 1, max_len, match_factor, min_prob);
-      if (SuffixTrie::expected(std::get<1>(other)) > SuffixTrie::expected(std::get<1>(best)))
-        best = std::move(other);
+      if (SuffixTrie::preferred(other, best)) best = std::move(other);
     }
     return best;
   }

@@ -198,6 +198,37 @@ def test_job_wide_part_drafts_from_finished_outputs_of_the_domain_and_is_bounded
     assert set(prop.requests) == {1, 2, 5}  # finished requests' own tries are dropped
 
 
+@NATIVE
+def test_the_longer_match_is_proposed_of_the_request_and_job_wide_drafts(native, monkeypatch):
+    """A request's own draft and its domain's job-wide one: the one continuing the longer
+    match is proposed, however sure the shorter match's continuation looks (one occurrence
+    of a one-token match gives a share of 1); on equal matches, the one with more expected
+    accepted tokens; a draft over none."""
+    monkeypatch.setenv("BATCHSPEC_SUFFIX_NATIVE", native)
+    prop = SuffixProposer()
+    done = seq_of([1], domain="a")
+    done.token_ids += [40, 41, 42, 43, 50, 51, 40, 41, 42, 43, 52, 53]
+    prop.finish(done, completed=True)
+    # own text: 43 seen once before, followed by 7 (a one-token match, share 1); job-wide:
+    # 41 42 43 (a three-token match) continued by 50 or 52, half each
+    own_short = seq_of([43, 7, 8, 9, 41, 42, 43], seq_id=1, domain="a")
+    assert prop.draft(own_short, 2) == [50, 51]
+    # the own text's match is the longer one now: 9 41 42 43 occurred before
+    own_long = seq_of([9, 41, 42, 43, 60, 61, 9, 41, 42, 43], seq_id=2, domain="a")
+    assert prop.draft(own_long, 2) == [60, 61]
+    # equal matches (one token): the job-wide draft, sure of its continuation, expects more
+    done2 = seq_of([1], seq_id=3, domain="b")
+    done2.token_ids += [70, 71, 72]
+    prop.finish(done2, completed=True)
+    tie = seq_of([70, 5, 70, 6, 70], seq_id=4, domain="b")   # own: 5 or 6 after 70, half each
+    assert prop.draft(tie, 1) == [71]
+    # the own text's longer match drafts nothing past its share cut: the job-wide one drafts
+    cut = SuffixProposer(min_prob=0.6)
+    cut.finish(done2, completed=True)
+    torn = seq_of([8, 70, 1, 8, 70, 2, 8, 70], seq_id=5, domain="b")  # own: 1 or 2, half each
+    assert cut.draft(torn, 2) == [71]
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
     return LLM(tiny_llama, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
