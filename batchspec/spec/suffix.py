@@ -185,12 +185,12 @@ def preferred(a: tuple[list[int], list[float], int], b: tuple[list[int], list[fl
     """Whether draft a (draft()'s triple) is proposed over draft b: a draft over none; else
     the one continuing the longer match; on equal matches, the one with more expected
     accepted tokens; b on a tie. Shares do not compare across match lengths: one
-    occurrence of a one-token match gives its continuation a share of 1, which was accepted
-    44% of the time in a job of held-out code and prose at 32 rows, where a share of 0.9 or
-    more after a match of 8 or more tokens was accepted 95% of the time. Choosing between
-    the request's own draft and the job-wide one by expected accepted tokens alone (the
-    sum of the shares' running products) took the shorter match's draft often enough that
-    the longer match's made 1.2% more tokens per cost of a round in that job."""
+    occurrence of a one-token match gives its continuation a share of 1, and a one-token
+    match is the weakest evidence there is (evidence_class). Choosing between the request's
+    own draft and the job-wide one by expected accepted tokens alone (the sum of the
+    shares' running products) took the shorter match's draft often enough that the longer
+    match's makes 1.1% more tokens per cost of a round at 32 rows
+    (benchmarks/suffix_rules.py)."""
     if bool(a[0]) != bool(b[0]):
         return bool(a[0])
     if a[2] != b[2]:
