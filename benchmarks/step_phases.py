@@ -73,12 +73,12 @@ def instrument(llm, clock: Clock) -> None:
     eng.propose = propose_rest
     forward = eng.target.forward
 
-    def target_forward(tokens, computed, tables, num_logits, *rest):
+    def target_forward(tokens, computed, tables, num_logits, **kwargs):
         # a decode or verification row asks for a logit per token it feeds; a prompt's rows
         # (or a preempted row's recompute) feed more tokens than they ask logits for
         phase = "forward, prompts" if any(len(t) > n for t, n in zip(tokens, num_logits)) \
             else "forward, decode"
-        return clock.wrap(forward, phase)(tokens, computed, tables, num_logits, *rest)
+        return clock.wrap(forward, phase)(tokens, computed, tables, num_logits, **kwargs)
     eng.target.forward = target_forward
     eng.commit = clock.wrap(eng.commit, "commit")
 

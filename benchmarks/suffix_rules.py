@@ -6,14 +6,16 @@ The job runs once with the suffix method (32 rows, T = 0, held-out code and docs
 each round records both drafts, uncut (min_prob 0), and the row's greedy continuation, which
 at T = 0 does not depend on what was drafted. Each rule then proposes one draft per round,
 its accepted tokens are its common prefix with the continuation, and the rule is priced as
-tokens per cost of a round: sum(1 + accepted) / sum(1 + price x drafted), where price is what
-a verified token costs against a decoded one (`benchmarks/step_costs.py`: 0.40 at 32 rows on
-the demo, bf16, AVX512-BF16 CPU). The rounds are those of the recorded run, so a rule is
+tokens per cost of a round: sum(1 + accepted) / sum(1 + round_cost + price x drafted), where
+price is what a verified token costs against a decoded one (`benchmarks/step_costs.py`: 0.40
+at 32 rows on the demo, bf16, AVX512-BF16 CPU) and round_cost what a round costs besides
+the forwards (default 0). The rounds are those of the recorded run, so a rule is
 judged on the states that run went through: an estimate for ranking rules, which the bench
 then measures.
 
     python benchmarks/suffix_rules.py
     python benchmarks/suffix_rules.py --price 0.04      # a price like one row's
+    python benchmarks/suffix_rules.py --round-cost 0.13 # each round's Python and bookkeeping
 """
 from __future__ import annotations
 
@@ -112,6 +114,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--price", type=float, default=0.40,
                     help="a verified token's cost in decoded tokens (step_costs.py)")
+    ap.add_argument("--round-cost", type=float, default=0.0,
+                    help="what a round costs besides the forwards, in decoded tokens (its "
+                         "Python, bookkeeping), added to every round's cost")
     args = ap.parse_args()
     rounds = record_rounds(args.batch_size, args.num_prompts or 8 * args.batch_size, args.k,
                            args.max_tokens)
@@ -119,7 +124,8 @@ def main():
                "more expected accepted": by_expected,
                "the request's own only": lambda a, b: False,
                "the job-wide only": lambda a, b: True}
-    print(f"{len(rounds)} rounds; price of a verified token {args.price}")
+    print(f"{len(rounds)} rounds; price of a verified token {args.price}, of a round "
+          f"besides its forwards {args.round_cost}")
     print(f"{'choice':<34}{'min_prob':>9}{'drafted':>9}{'accepted':>9}{'alpha':>7}"
           f"{'tokens/cost':>12}")
     for name, other_wins in choices.items():
@@ -131,7 +137,8 @@ def main():
                 draft = b[0] if other_wins(b, a) else a[0]
                 m = accepted(draft, cont)
                 drafted, acc = drafted + len(draft), acc + m
-                value, cost = value + 1 + m, cost + 1 + args.price * len(draft)
+                value += 1 + m
+                cost += 1 + args.round_cost + args.price * len(draft)
             print(f"{name:<34}{min_prob:>9.1f}{drafted:>9}{acc:>9}"
                   f"{acc / max(drafted, 1):>7.3f}{value / cost:>12.4f}")
 

@@ -239,6 +239,27 @@ def prefilled(path, dtype, lengths, room=5):
     return runner, prompts, seqs
 
 
+@pytest.mark.parametrize("layout", ["onednn", "amx", "none"])
+def test_logits_in_the_output_layers_dtype_are_the_fp32_logits_numbers(tiny_llama, layout,
+                                                                       monkeypatch):
+    """forward(..., float_logits=False), what verification reads: a bf16 model's logits
+    in bf16, without the fp32 copy, each the very number the fp32 logits hold, for
+    oneDNN's packed layer, the AMX op (which writes fp32 itself when asked) and F.linear."""
+    monkeypatch.setenv("BATCHSPEC_CPU_LINEAR", layout)
+    if layout == "none":
+        monkeypatch.setenv("BATCHSPEC_CPU_PREPACK", "0")
+    runner, prompts, seqs = prefilled(tiny_llama, "bfloat16", (9, 23, 14))
+    if runner.model.weight_layout != layout:
+        pytest.skip(f"{layout} layer is not available here")
+    rows = [[5, 6, 7], [8], [9, 10]]
+    args = (rows, [len(p) for p in prompts], [s.block_table for s in seqs],
+            [len(r) for r in rows])
+    as_made = runner.forward(*args, float_logits=False)
+    fp32 = runner.forward(*args)
+    assert as_made.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    assert torch.equal(as_made.float(), fp32)
+
+
 def test_bf16_batch_matches_rows_alone(tiny_llama):
     """bf16 on CPU: a batch of decoding rows (grouped-matmul attention) gives the logits each
     row gets alone (SDPA), up to bf16 rounding."""

@@ -269,7 +269,7 @@ class Engine:
                                      [s.seq.num_computed_tokens for s in scheduled],
                                      [s.seq.block_table for s in scheduled],
                                      [int(s.is_sampling) + s.num_drafts for s in scheduled],
-                                     False)   # verification reads bf16 logits as they are
+                                     float_logits=False)   # verification reads bf16 as is
         out_ids, num_accepted = verify(logits, self._verify_metadata(sampling, logits),
                                        self.config.verify_backend)
         num_accepted = num_accepted.tolist()
