@@ -7,9 +7,9 @@ reported.
 (kernels/paged_attention_cpu.cpp) by its default paths (AMX tiles for bf16 where the CPU has
 AMX; AVX-512 for the rest, else AVX2), by AVX-512 alone and AVX2 alone where the CPU has them,
 by its portable path, and through gather + SDPA (grouped matmuls in bf16).
---compare linear: the linear layers as the C++ op (kernels/linear_cpu.cpp: bf16 on AMX tiles,
-fp32 on AVX2, with a bf16 checkpoint's weights stored in bf16 and, beside it, in fp32) against
-oneDNN on prepacked weights (BATCHSPEC_CPU_LINEAR=onednn).
+--compare linear: the linear layers as the C++ op (kernels/linear_cpu.cpp: bf16 on AMX tiles
+or AVX512-BF16, fp32 on AVX2, with a bf16 checkpoint's weights stored in bf16 and, beside it,
+in fp32) against oneDNN on prepacked weights (BATCHSPEC_CPU_LINEAR=onednn).
 --compare rmsnorm: the fused C++ RMSNorm (kernels/fused_cpu.cpp, residual add included)
 against the torch ops it replaces.
 --compare fused: every fused C++ op of a layer (RMSNorm, SwiGLU's silu(gate) * up, RoPE of q
@@ -92,9 +92,9 @@ def fused_paths(runner):
 
 def linear_paths(runner):
     layout = runner.model.weight_layout
-    if layout not in ("amx", "avx2"):
-        sys.exit("the C++ linear op is unavailable here (bf16 on a CPU with AMX tiles, or fp32 "
-                 "on a CPU with AVX2)")
+    if layout not in ("amx", "avx512_bf16", "avx2"):
+        sys.exit("the C++ linear op is unavailable here (bf16 on a CPU with AMX tiles or "
+                 "AVX512-BF16, or fp32 on a CPU with AVX2)")
 
     def load_model(choice):   # the model again, its linear layers as BATCHSPEC_CPU_LINEAR says
         os.environ["BATCHSPEC_CPU_LINEAR"] = choice

@@ -1,9 +1,13 @@
 """The CPU ops behind the engine's CPU choices, one thread:
 
 1. linear layers, `F.linear` vs weights prepacked for oneDNN vs the C++ op
-   (batchspec.models.llama, kernels/linear_cpu.cpp: bf16 on AMX tiles, fp32 on AVX2, which
-   stores fp32 weights of bf16 values in bf16), with the weights cycled through 48 MB so
-   that they come from memory, as in decoding;
+   (batchspec.models.llama, kernels/linear_cpu.cpp: bf16 on AMX tiles, or AVX512-BF16 on
+   CPUs without them; fp32 on AVX2, which stores fp32 weights of bf16 values in bf16), with
+   the weights cycled through 48 MB so that they come from memory, as in decoding; then
+   (bf16) the demo target's five weights at ragged row counts, as a batch's steps have them
+   when verification windows differ in length and prompts join: oneDNN, which makes a
+   primitive for each row count and weight shape and keeps 1,024 of them, against the C++
+   op, which has no per-shape state (also alone: --ragged);
 2. attention of 32 short rows (4 query / 2 KV heads, head dim 64, 208 keys), SDPA vs the
    grouped matmuls batchspec uses for bf16 on CPU (batchspec.layers.attention);
 3. a layer's elementwise ops in fp32 and bf16 at the demo target's widths (hidden 256, MLP
@@ -19,7 +23,7 @@
    the runner's forward and the argmax per step; and the call sampling at T = 0.8 (q and
    the draw every step).
 
-    python benchmarks/bench_cpu_ops.py
+    python benchmarks/bench_cpu_ops.py [--ragged]
 """
 from __future__ import annotations
 
@@ -67,14 +71,51 @@ def elementwise_cases(ops, dt, rows):
     }
 
 
+def ragged_rows(lo: int = 32, hi: int = 300, passes: int = 3):
+    """The demo target's five bf16 weights (qkv, o, gate_up, down, the output layer) at
+    every row count in [lo, hi) in a shuffled order, pass after pass: ms per row count (the
+    five products) by oneDNN (prepacked) and by the C++ op, and what oneDNN's primitives
+    added to the process's resident memory. The weights stay warm (one copy each): what
+    differs is the per-shape work."""
+    import random
+    _, pack = weight_packer(torch.bfloat16, torch.device("cpu"))
+    shapes = [(512, 256), (256, 256), (1536, 256), (256, 768), (4096, 256)]
+    ws = [torch.randn(n, k).bfloat16() for n, k in shapes]
+    counts = list(range(lo, hi))
+    xs = {m: {k: torch.randn(m, k).bfloat16() for k in (256, 768)} for m in counts}
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+    print(f"\nbf16 products of the demo target's 5 weights at each of {len(counts)} row counts "
+          f"({lo}-{hi - 1}), shuffled, ms per row count, pass by pass")
+    rng = random.Random(0)
+    for name, packed in (("oneDNN", [prepack(w) for w in ws]), ("C++ op", [pack(w) for w in ws])):
+        before, times = rss_mb(), []
+        for _ in range(passes):
+            order = counts[:]
+            rng.shuffle(order)
+            t0 = time.perf_counter()
+            for m in order:
+                for (_, k), w in zip(shapes, packed):
+                    linear(xs[m][k], w)
+            times.append((time.perf_counter() - t0) / len(counts) * 1e3)
+        print(f"{name:<7} " + " ".join(f"{t:7.3f}" for t in times) +
+              f"   resident memory +{rss_mb() - before:.0f} MB")
+
+
 def main():
     torch.set_num_threads(1)
+    if "--ragged" in sys.argv[1:]:
+        ragged_rows()
+        return
     packers = {dt: weight_packer(dt, torch.device("cpu")) for dt in (torch.bfloat16,
                                                                          torch.float32)}
     layout, pack_amx = packers[torch.bfloat16]
     print("weight [out x in]  dtype       rows  F.linear us  prepacked us  C++ op us")
-    shapes = [((1536, 256), torch.bfloat16, r) for r in (1, 5, 32, 160)] + \
-        [((4096, 256), torch.bfloat16, 5)] + \
+    shapes = [((1536, 256), torch.bfloat16, r) for r in (1, 5, 32, 96, 160)] + \
+        [((4096, 256), torch.bfloat16, r) for r in (1, 5, 32, 96)] + \
         [((1536, 256), torch.float32, r) for r in (1, 5, 32, 160)] + \
         [((256, 768), torch.float32, r) for r in (1, 5)] + [((4096, 256), torch.float32, 5)] + \
         [((1536, 256), "bf16 values", r) for r in (1, 5, 32)]
@@ -92,9 +133,9 @@ def main():
             packed = per_call_us(linear, [(x, prepack(w)) for w in ws])
         except RuntimeError:
             packed = None
-        kind, pack = packers[dt]   # the C++ op: AMX (bf16), AVX2 (fp32), where the CPU has it
+        kind, pack = packers[dt]   # the C++ op: AMX or AVX512-BF16 (bf16), AVX2 (fp32)
         mine = per_call_us(linear, [(x, pack(w)) for w in ws]) \
-            if kind in ("amx", "avx2") else None
+            if kind in ("amx", "avx512_bf16", "avx2") else None
         name = values if isinstance(values, str) else str(dt)[6:]
         print(f"{n:>5} x {k:<9} {name:<11} {rows:>4} {plain:>10.1f} "
               f"{'-' if packed is None else f'{packed:.1f}':>13} "
@@ -142,6 +183,7 @@ def main():
             int8 = per_call_us(lambda a: ops.head_int8(a, packed, scales, sums, 4096), [(x,)] * 300)
             tiles = per_call_us(lambda a: linear(a, bf16, float_out=True), [(x,)] * 300)
             print(f"{rows:>4} rows: {int8:6.1f} / {tiles:6.1f}")
+    ragged_rows()
     draft_steps()
 
 

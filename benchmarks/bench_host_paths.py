@@ -8,7 +8,7 @@ their bf16 one (BATCHSPEC_CPU_DRAFT_HEAD=bf16); --compare draft-steps: a draft's
 C++ call against the step-by-step loop (BATCHSPEC_CPU_DRAFT_STEPS=python); --compare
 attention: the C++ attention kernel by its default path (AMX, AVX-512 or AVX2, as the CPU
 has them) against its portable one (BATCHSPEC_CPU_ATTENTION_PORTABLE=1); --compare linear:
-the linear layers' C++ op (AMX for bf16, AVX2 for fp32) against oneDNN's product
+the linear layers' C++ op (AMX or AVX512-BF16 for bf16, AVX2 for fp32) against oneDNN's product
 (BATCHSPEC_CPU_LINEAR=onednn); --compare compact-weights: fp32 models' weights of bf16 values
 (bf16 checkpoints) stored in bf16 for the AVX2 op against stored in fp32
 (BATCHSPEC_CPU_LINEAR=avx2-fp32). The last three change plain decoding too: plain decoding with the

@@ -12,6 +12,11 @@
 //   product then takes 16 rows of x by 32 inputs (A) and such a block's 16 rows (B), adding
 //   to a 16 x 16 fp32 block of y (C).
 //
+// - bf16 on CPUs with AVX512-BF16 and no AMX tiles (AMD Zen 4 and later, Intel Cooper Lake),
+//   on the same packed weight: VDPBF16PS multiplies a 64-byte row of a block (one input
+//   pair, 16 features) by the pair of a row of x broadcast, adding to 16 fp32 sums; up to 6
+//   rows by 4 blocks at a time (linear_bf16_dp, below, says why not oneDNN).
+//
 // - fp32 on CPUs with AVX2 and FMA (what the CPU's dtype is where it has no bf16
 //   arithmetic). oneDNN's fp32 product with the weight prepacked reads a weight at a third of
 //   the speed the memory gives at one row (the demo target's 25 products: 2.3-2.8 ms a
@@ -26,9 +31,9 @@
 //
 // Each row of y is computed the same way whatever the other rows are (tiles: 32 inputs a
 // product, in order, into fp32; AVX2: one fused multiply-add chain per value, inputs in
-// order). So a token's result does not depend on how many rows its batch has (a decode step
-// or a verification window, one row or sixty-four), which oneDNN does not promise; tests hold
-// both paths to it.
+// order; pair products: one chain of pair products, in order). So a token's result does
+// not depend on how many rows its batch has (a decode step or a verification window, one
+// row or sixty-four), which oneDNN does not promise; tests hold every path to it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -139,25 +144,113 @@ BS_AMX_LINEAR void linear_blocks(Rows rows, int64_t M, int64_t Kp, const uint16_
 }
 #endif
 
-// x's rows as a contiguous [M, K], and y [..., N] of x's leading shape in dtype
-std::pair<at::Tensor, at::Tensor> rows_and_output(const at::Tensor& x, int64_t K, int64_t N,
-                                                  at::ScalarType dtype) {
+// A call's operands: x's rows as a contiguous [M, K], y [..., N] of x's leading shape in
+// dtype, and the bias as fp32 zero-padded to the packed weight's Np features (empty: none)
+struct Operands {
+  at::Tensor x, y;
+  int64_t M;
+  std::vector<float> bias;
+  const float* bias_ptr() const { return bias.empty() ? nullptr : bias.data(); }
+};
+
+Operands operands(const at::Tensor& x, int64_t K, int64_t N, int64_t Np, at::ScalarType dtype,
+                  const std::optional<at::Tensor>& bias) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return {x.reshape({-1, K}).contiguous(), at::empty(shape, x.options().dtype(dtype))};
-}
-
-// the bias as fp32, zero-padded to the packed weight's Np features (empty: no bias)
-std::vector<float> bias_values(const std::optional<at::Tensor>& bias, int64_t N, int64_t Np) {
-  std::vector<float> b;
+  Operands o{x.reshape({-1, K}).contiguous(), at::empty(shape, x.options().dtype(dtype)), 0, {}};
+  o.M = o.x.size(0);
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "linear_packed: bias must have out_features values");
     auto bf = bias->to(at::kFloat).contiguous();
-    b.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + N);
-    b.resize(size_t(Np), 0.f);
+    o.bias.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + N);
+    o.bias.resize(size_t(Np), 0.f);
   }
-  return b;
+  return o;
 }
+
+#if defined(BS_HAVE_AVX512_PATH)   // x86-64: the AVX512-BF16 path, taken where usable
+#define BS_DP_FN __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
+
+// Rows [0, MR) of x (pairs of inputs: row r's pair j is the 32 bits at x + r * ldx + 2j) by
+// NP blocks of 16 features of the packed weight (blocks `block` elements apart, a pair's 16
+// features one 64-byte row), into y (rows ldy apart; fp32 of the bf16 values where Out is
+// float): the first `count` features (+ bias). Each value is one chain of pair products
+// (VDPBF16PS) over the input pairs in order, whatever MR and NP are.
+template <int MR, int NP, typename Out>
+BS_DP_FN void dp_block(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* w,
+                       int64_t block, const float* bias, Out* y, int64_t ldy, int64_t count) {
+  __m512 acc[MR][NP];
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512i wv[NP];
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)
+      wv[p] = _mm512_loadu_si512(w + p * block + j * 32);
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * j, 4);
+      const __m512bh xr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)
+        acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xr, reinterpret_cast<__m512bh>(wv[p]));
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) {
+      const int64_t n = p * N_BLOCK;
+      if (n >= count) break;
+      __m512 v = acc[r][p];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      const __mmask16 mask =
+          count - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - n)) - 1);
+      const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+      if constexpr (std::is_same_v<Out, float>)
+        _mm512_mask_storeu_epi32(y + r * ldy + n, mask,
+                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      else
+        _mm256_mask_storeu_epi16(y + r * ldy + n, mask, b);
+    }
+}
+
+template <int NP, typename Out>
+BS_DP_FN void dp_rows(int64_t rows, const uint16_t* x, int64_t ldx, int64_t pairs,
+                      const uint16_t* w, int64_t block, const float* bias, Out* y, int64_t ldy,
+                      int64_t count) {
+  switch (rows) {
+    case 1: dp_block<1, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
+    case 2: dp_block<2, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
+    case 3: dp_block<3, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
+    case 4: dp_block<4, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
+    case 5: dp_block<5, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
+    default: dp_block<6, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
+  }
+}
+
+// Feature blocks [nb0, nb1) of y [M, N]: groups of up to 4 blocks (64 features), each group
+// over all rows 6 at a time (24 sums in registers; the group's weight stays in L1/L2 while
+// the rows reread it), so that the weight is read from memory once a call.
+template <typename Out>
+BS_DP_FN void dp_linear_blocks(const uint16_t* x, int64_t ldx, int64_t M, int64_t pairs,
+                               const uint16_t* wp, int64_t block, int64_t nb0, int64_t nb1,
+                               const float* bias, Out* y, int64_t N) {
+  for (int64_t nb = nb0; nb < nb1; nb += 4) {
+    const int64_t np = std::min<int64_t>(4, nb1 - nb);
+    const uint16_t* w = wp + nb * block;
+    const float* b = bias != nullptr ? bias + nb * N_BLOCK : nullptr;
+    const int64_t count = N - nb * N_BLOCK;
+    for (int64_t m = 0; m < M; m += 6) {
+      const int64_t rows = std::min<int64_t>(6, M - m);
+      const uint16_t* xm = x + m * ldx;
+      Out* ym = y + m * N + nb * N_BLOCK;
+      switch (np) {
+        case 1: dp_rows<1, Out>(rows, xm, ldx, pairs, w, block, b, ym, N, count); break;
+        case 2: dp_rows<2, Out>(rows, xm, ldx, pairs, w, block, b, ym, N, count); break;
+        case 3: dp_rows<3, Out>(rows, xm, ldx, pairs, w, block, b, ym, N, count); break;
+        default: dp_rows<4, Out>(rows, xm, ldx, pairs, w, block, b, ym, N, count); break;
+      }
+    }
+  }
+}
+#endif
 
 #if defined(BS_HAVE_AVX512_PATH)   // x86-64: the AVX2 path below, taken where avx2_usable()
 #define BS_AVX2_FN __attribute__((target("avx2,fma")))
@@ -308,12 +401,11 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_
 #if defined(BS_HAVE_AVX512_PATH)
   TORCH_CHECK(bs::avx2_usable(), "linear_packed: fp32 weights need a CPU with AVX2 and FMA");
   const int64_t N = out_features;
-  at::Tensor x2, y;
-  std::tie(x2, y) = rows_and_output(x, K, N, at::kFloat);
-  const int64_t M = x2.size(0);
+  const Operands o = operands(x, K, N, NB * N_BLOCK, at::kFloat, bias);
+  const int64_t M = o.M;
+  const at::Tensor &x2 = o.x, &y = o.y;
   if (M == 0) return y;
-  const std::vector<float> b = bias_values(bias, N, NB * N_BLOCK);
-  const float* bp = b.empty() ? nullptr : b.data();
+  const float* bp = o.bias_ptr();
   // feature blocks per task: about two million products each, so that small calls stay on
   // one thread
   const int64_t grain = std::max<int64_t>(4, (int64_t(1) << 21) / (M * K * N_BLOCK));
@@ -334,34 +426,66 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_
 #endif
 }
 
-// x [..., in_features] -> [..., out_features]; packed from pack_linear_weight of
-// [out_features, in_features]: bf16 x for a bf16 weight (AMX), fp32 x for an fp32 one (AVX2).
-// float_out (bf16): the result as fp32 (each value still rounded to bf16), for logits, which
-// the engine reads in fp32
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
-                         int64_t out_features, const std::optional<at::Tensor>& bias,
-                         bool float_out) {
-  if (packed.dim() == 3)   // the fp32 layout (x fp32)
-    return linear_f32(x, packed, in_features, out_features, bias);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.dim() == 4 && packed.is_contiguous(),
-              "linear_packed: bf16 input and a weight from pack_linear_weight");
-  const int64_t K = x.size(-1), Kp = packed.size(1) * 2, NB = packed.size(0);
-  TORCH_CHECK(K == in_features && K <= Kp && Kp - K < K_TILE && out_features <= NB * N_BLOCK &&
-                  NB * N_BLOCK - out_features < N_BLOCK,
-              "linear_packed: the input's width or out_features does not match the weight");
+// x bf16 [..., K] . the bf16 packed weight (+ bias) on AVX512-BF16 (VDPBF16PS): for CPUs
+// with it and without AMX tiles (AMD Zen 4 and later, Intel Cooper Lake). The same layout as
+// the tiles'. Why not oneDNN there: its product is a primitive made for each row count (M)
+// and weight shape, kept in a cache of 1,024 primitives at about 0.65 MB each; a job whose
+// steps have ragged row counts (verification windows, prompts joining a batch) made a new
+// one (0.2-0.5 ms) for 6% of its products at 32 rows and spent 4% of its time doing so,
+// and a long job's cache holds over a gigabyte (benchmarks/bench_cpu_ops.py --ragged).
+at::Tensor linear_bf16_dp(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                          const std::optional<at::Tensor>& bias, bool float_out) {
+#if defined(BS_HAVE_AVX512_PATH)
+  TORCH_CHECK(bs::avx512_bf16_usable(), "linear_packed: this CPU has no AVX512-BF16");
+  const int64_t K = x.size(-1), Kp = packed.size(1) * 2, NB = packed.size(0), N = out_features;
+  const Operands o = operands(x, K, N, NB * N_BLOCK, float_out ? at::kFloat : at::kBFloat16, bias);
+  const int64_t M = o.M;
+  if (M == 0) return o.y;
+  // pairs of inputs are read as 32 bits: an odd width reads its rows from a copy with a zero
+  // after each
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(o.x.data_ptr());
+  int64_t ldx = K;
+  std::vector<uint16_t> even;
+  if (K % 2 != 0) {
+    ldx = K + 1;
+    even.assign(M * ldx, 0);
+    for (int64_t r = 0; r < M; ++r) std::memcpy(even.data() + r * ldx, xs + r * K, K * 2);
+    xs = even.data();
+  }
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bp = o.bias_ptr();
+  const int64_t pairs = (K + 1) / 2, block = Kp / 2 * 32;
+  // groups of 4 feature blocks per task: about a million products each, so that small
+  // calls stay on one thread
+  const int64_t groups = (NB + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (M * Kp * 64));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t nb0 = 4 * g0, nb1 = std::min(4 * g1, NB);
+    if (float_out)
+      dp_linear_blocks(xs, ldx, M, pairs, wp, block, nb0, nb1, bp, o.y.data_ptr<float>(), N);
+    else
+      dp_linear_blocks(xs, ldx, M, pairs, wp, block, nb0, nb1, bp,
+                       reinterpret_cast<uint16_t*>(o.y.data_ptr()), N);
+  });
+  return o.y;
+#else
+  TORCH_CHECK(false, "linear_packed: AVX512-BF16 needs an x86-64 build");
+  return {};
+#endif
+}
+
 #if defined(BS_HAVE_AMX_TILES)
-  TORCH_CHECK(bs::amx_permitted(), "linear_packed: this CPU or process cannot use AMX tiles");
-  const int64_t N = out_features;
-  at::Tensor x2, y;
-  std::tie(x2, y) = rows_and_output(x, K, N, float_out ? at::kFloat : at::kBFloat16);
-  const int64_t M = x2.size(0);
-  if (M == 0) return y;
-  const std::vector<float> b = bias_values(bias, N, NB * N_BLOCK);
+// x bf16 [..., K] . the bf16 packed weight (+ bias) on AMX tiles
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias, bool float_out) {
+  const int64_t K = x.size(-1), Kp = packed.size(1) * 2, NB = packed.size(0), N = out_features;
+  const Operands o = operands(x, K, N, NB * N_BLOCK, float_out ? at::kFloat : at::kBFloat16, bias);
+  const int64_t M = o.M;
+  if (M == 0) return o.y;
   // x's rows as tiles read them: in place where its width is whole tiles, except the last
   // 16 rows when they are fewer (those, or all of x when its width is not, are copied to a
   // zero-padded buffer)
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(o.x.data_ptr());
   const int64_t whole = K == Kp ? M / 16 * 16 : 0;
   std::vector<uint16_t> pad((M - whole + 15) / 16 * 16 * Kp, 0);
   for (int64_t r = whole; r < M; ++r)
@@ -371,29 +495,74 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
     return {pad.data() + (r - whole) * Kp, Kp};
   };
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const float* bp = b.empty() ? nullptr : b.data();
+  const float* bp = o.bias_ptr();
   // pairs of feature blocks per task: about a million products each, so that small calls
   // stay on one thread
   const int64_t pairs = (NB + 1) / 2;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / ((M + 15) / 16 * 16 * Kp * 32));
   at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
     if (float_out)
-      linear_blocks(rows, M, Kp, wp, 2 * p0, std::min(2 * p1, NB), bp, y.data_ptr<float>(), N);
+      linear_blocks(rows, M, Kp, wp, 2 * p0, std::min(2 * p1, NB), bp, o.y.data_ptr<float>(), N);
     else
       linear_blocks(rows, M, Kp, wp, 2 * p0, std::min(2 * p1, NB), bp,
-                    reinterpret_cast<uint16_t*>(y.data_ptr()), N);
+                    reinterpret_cast<uint16_t*>(o.y.data_ptr()), N);
   });
-  return y;
-#else
-  TORCH_CHECK(false, "linear_packed: built without AMX tiles");
-  return {};
+  return o.y;
+}
 #endif
+
+// the bf16 paths' operands: bf16 x and a weight from pack_linear_weight whose width and
+// features are x's and out_features
+void check_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
+                int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.dim() == 4 && packed.is_contiguous(),
+              "linear_packed: bf16 input and a weight from pack_linear_weight");
+  const int64_t K = x.size(-1), Kp = packed.size(1) * 2, NB = packed.size(0);
+  TORCH_CHECK(K == in_features && K <= Kp && Kp - K < K_TILE && out_features <= NB * N_BLOCK &&
+                  NB * N_BLOCK - out_features < N_BLOCK,
+              "linear_packed: the input's width or out_features does not match the weight");
+}
+
+// x [..., in_features] -> [..., out_features]; packed from pack_linear_weight of
+// [out_features, in_features]: bf16 x for a bf16 weight (AMX tiles where the CPU has them and
+// the process may use them, else AVX512-BF16), fp32 x for an fp32 one (AVX2).
+// float_out (bf16): the result as fp32 (each value still rounded to bf16), for logits, which
+// the engine reads in fp32
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
+                         int64_t out_features, const std::optional<at::Tensor>& bias,
+                         bool float_out) {
+  if (packed.dim() == 3)   // the fp32 layout (x fp32)
+    return linear_f32(x, packed, in_features, out_features, bias);
+  check_bf16(x, packed, in_features, out_features);
+#if defined(BS_HAVE_AMX_TILES)
+  if (bs::amx_permitted()) return linear_amx(x, packed, out_features, bias, float_out);
+#endif
+  return linear_bf16_dp(x, packed, out_features, bias, float_out);
+}
+
+// the AVX512-BF16 path whatever the CPU also has (tests and benchmarks compare it with the
+// tiles)
+at::Tensor linear_packed_dp(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
+                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            bool float_out) {
+  check_bf16(x, packed, in_features, out_features);
+  return linear_bf16_dp(x, packed, out_features, bias, float_out);
 }
 
 // whether pack_linear_weight's fp32 layout runs here
 bool linear_f32_available() {
 #if defined(BS_HAVE_AVX512_PATH)
   return bs::avx2_usable();
+#else
+  return false;
+#endif
+}
+
+// whether bf16 packed weights run here on AVX512-BF16 (where AMX tiles do not take them)
+bool linear_bf16_available() {
+#if defined(BS_HAVE_AVX512_PATH)
+  return bs::avx512_bf16_usable();
 #else
   return false;
 #endif
@@ -413,11 +582,15 @@ TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
   m.def("pack_linear_weight(Tensor w, bool compact=True) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor packed, int in_features, int out_features, "
         "Tensor? bias, bool float_out=False) -> Tensor");
+  m.def("linear_packed_dp(Tensor x, Tensor packed, int in_features, int out_features, "
+        "Tensor? bias, bool float_out=False) -> Tensor");
   m.def("linear_amx_available() -> bool", &linear_amx_available);
+  m.def("linear_bf16_available() -> bool", &linear_bf16_available);
   m.def("linear_f32_available() -> bool", &linear_f32_available);
 }
 
 TORCH_LIBRARY_IMPL(BS_NS, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("linear_packed", &linear_packed);
+  m.impl("linear_packed_dp", &linear_packed_dp);
 }

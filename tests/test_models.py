@@ -97,10 +97,12 @@ def test_model_without_tokenizer_takes_token_ids(tmp_path):
 
 
 @pytest.mark.parametrize("dtype,layout", [("float32", "onednn"), ("float32", "avx2"),
-                                          ("bfloat16", "onednn"), ("bfloat16", "amx")])
+                                          ("bfloat16", "onednn"), ("bfloat16", "amx"),
+                                          ("bfloat16", "avx512_bf16")])
 def test_packed_weights_give_the_plain_products(arch_model, dtype, layout, monkeypatch):
     """On CPU the linear weights are packed at load (oneDNN's blocked layout, AMX tiles' for
-    bf16 on CPUs with them, or the AVX2 op's for fp32); the logits equal those of F.linear on
+    bf16 on CPUs with them, the same layout for AVX512-BF16's pair products on CPUs with those
+    but no tiles, or the AVX2 op's for fp32); the logits equal those of F.linear on
     the same weights
     (BATCHSPEC_CPU_PREPACK=0), for prefill and decode rows."""
     ids = list(range(3, 40))
@@ -123,40 +125,65 @@ def test_packed_weights_give_the_plain_products(arch_model, dtype, layout, monke
     assert (logits["1"].argmax(-1) == logits["0"].argmax(-1)).float().mean() > 0.9
 
 
-def _amx_linear_ops():
+def _bf16_linear(path):
+    """The bf16 linear op of `path`: "amx" (linear_packed where the CPU has tiles) or
+    "avx512_bf16" (linear_packed_dp, the pair-product path whatever else the CPU has)."""
     from batchspec.spec._build import load
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
     ops = load(False)
-    if not ops.linear_amx_available():
-        pytest.skip("no AMX tiles on this CPU (or not permitted)")
-    return ops
+    if path == "amx":
+        if not ops.linear_amx_available():
+            pytest.skip("no AMX tiles on this CPU (or not permitted)")
+        return ops, ops.linear_packed
+    if not ops.linear_bf16_available():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    return ops, ops.linear_packed_dp
 
 
-def test_amx_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
-    """kernels/linear_cpu.cpp: x . W^T (+ b) to within bf16's rounding of the fp32 product, for
-    widths that are and are not whole tiles (32 inputs, 16 outputs), with and without a bias;
-    and each row's result bit for bit the same whether it is computed alone, in a window of 5
-    rows or among 200 (what keeps a verification window's products those of decode steps);
-    its fp32 output (for logits) the bf16 result's values."""
-    ops = _amx_linear_ops()
+@pytest.mark.parametrize("path", ["amx", "avx512_bf16"])
+def test_bf16_linear_is_the_product_and_the_same_for_a_row_in_any_batch(path):
+    """kernels/linear_cpu.cpp's bf16 paths (AMX tiles; AVX512-BF16 pair products, on the same
+    packed weight): x . W^T (+ b) to within bf16's rounding of the fp32 product, for widths
+    that are and are not whole tiles (32 inputs, 16 outputs), odd ones among them, with and
+    without a bias; and each row's result bit for bit the same whether it is computed alone,
+    in a window of 5 rows or among 200 (what keeps a verification window's products those of
+    decode steps), through every register block (1-6 rows by 1-4 blocks of 16 features); its
+    fp32 output (for logits) the bf16 result's values."""
+    ops, linear = _bf16_linear(path)
     g = torch.Generator().manual_seed(0)
-    for n, k, bias in ((512, 256, False), (37, 50, True), (4096, 192, False), (16, 32, True)):
+    for n, k, bias in ((512, 256, False), (37, 50, True), (4096, 192, False), (16, 32, True),
+                       (100, 63, False), (48, 17, True)):
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
         packed = ops.pack_linear_weight(w)
         x = torch.randn(200, k, generator=g).to(torch.bfloat16)
-        y = ops.linear_packed(x, packed, k, n, b)
+        y = linear(x, packed, k, n, b)
         ref = x.float() @ w.float().T + (b.float() if bias else 0)
         # one rounding to bf16 (2^-8 relative) plus the order of fp32 sums
         assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-3 * k ** 0.5).all(), (n, k)
-        for rows in (slice(0, 1), slice(7, 12), slice(3, 20), slice(150, 200)):
-            assert torch.equal(ops.linear_packed(x[rows], packed, k, n, b), y[rows]), (n, k, rows)
-        assert ops.linear_packed(x[:0], packed, k, n, b).shape == (0, n)
+        for rows in (slice(0, 1), slice(7, 12), slice(3, 20), slice(150, 200), slice(9, 11),
+                     slice(20, 23), slice(30, 34), slice(40, 47)):
+            assert torch.equal(linear(x[rows], packed, k, n, b), y[rows]), (n, k, rows)
+        assert linear(x[:0], packed, k, n, b).shape == (0, n)
         # fp32 out (logits): the same bf16 values, without a pass to convert them
-        assert torch.equal(ops.linear_packed(x, packed, k, n, b, True), y.float())
+        assert torch.equal(linear(x, packed, k, n, b, True), y.float())
     with pytest.raises(RuntimeError, match="does not match"):
-        ops.linear_packed(x[:, :-1], packed, k, n, None)
+        linear(x[:, :-1], packed, k, n, None)
+
+
+def test_bf16_linear_paths_agree_where_a_cpu_has_both():
+    """On a CPU with AMX tiles and AVX512-BF16, the two bf16 paths give the same products up
+    to the order of fp32 sums (tiles add 32 inputs a product, pair products 2)."""
+    ops, _ = _bf16_linear("amx")
+    _bf16_linear("avx512_bf16")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(256, 192, generator=g).to(torch.bfloat16)
+    x = torch.randn(40, 192, generator=g).to(torch.bfloat16)
+    packed = ops.pack_linear_weight(w)
+    tiles = ops.linear_packed(x, packed, 192, 256, None).float()
+    pairs = ops.linear_packed_dp(x, packed, 192, 256, None).float()
+    assert ((tiles - pairs).abs() <= tiles.abs() * 2 ** -7 + 1e-2).all()
 
 
 def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
@@ -239,12 +266,13 @@ def prefilled(path, dtype, lengths, room=5):
     return runner, prompts, seqs
 
 
-@pytest.mark.parametrize("layout", ["onednn", "amx", "none"])
+@pytest.mark.parametrize("layout", ["onednn", "amx", "avx512_bf16", "none"])
 def test_logits_in_the_output_layers_dtype_are_the_fp32_logits_numbers(tiny_llama, layout,
                                                                        monkeypatch):
     """forward(..., float_logits=False), what verification reads: a bf16 model's logits
     in bf16, without the fp32 copy, each the very number the fp32 logits hold, for
-    oneDNN's packed layer, the AMX op (which writes fp32 itself when asked) and F.linear."""
+    oneDNN's packed layer, the C++ op's bf16 paths (which write fp32 themselves when asked)
+    and F.linear."""
     monkeypatch.setenv("BATCHSPEC_CPU_LINEAR", layout)
     if layout == "none":
         monkeypatch.setenv("BATCHSPEC_CPU_PREPACK", "0")

@@ -39,14 +39,15 @@ def test_greedy_spec_equals_plain(tiny_llama, tiny_draft, plain, draft, monkeypa
 @pytest.mark.parametrize("draft", ["target", "random", "ngram"])
 def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
     """In bf16 too, where the CPU kernels compute a token's products and attention the same
-    way whatever its batch (AMX tiles): a random model's near-tied logits would show any
-    difference between a verification window's rounding and a decode step's."""
+    way whatever its batch (AMX tiles, or AVX512-BF16's pair products): a random model's
+    near-tied logits would show any difference between a verification window's rounding and
+    a decode step's."""
     target = model_factory("llama", seed=2, hidden_size=128, num_heads=2, num_kv_heads=1)
     path = {"target": target, "random": tiny_draft, "ngram": "ngram"}[draft]
     kw = dict(device="cpu", dtype="bfloat16")
     plain_llm = LLM(target, **kw)
-    if plain_llm.engine.target.model.weight_layout != "amx":
-        pytest.skip("bf16 rounds alike in every batch only on the AMX paths")
+    if plain_llm.engine.target.model.weight_layout not in ("amx", "avx512_bf16"):
+        pytest.skip("bf16 rounds alike in every batch only on the C++ op's bf16 paths")
     plain_outs = plain_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm = LLM(target, drafts={"default": path}, num_speculative_tokens=4, min_acceptance=0.0,
               **kw)
@@ -58,7 +59,8 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
                                   "fp32-generic"])
 def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch):
     """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with
-    packed weights (bf16: AMX tiles, or oneDNN on CPUs with AVX-512 but no AMX; fp32: the
+    packed weights (bf16: AMX tiles, AVX512-BF16 pair products on CPUs with those but no
+    AMX, or oneDNN; fp32: the
     AVX2 op, or oneDNN with BATCHSPEC_CPU_LINEAR=onednn; int8 output layers in bf16 and
     fp32 drafts): the tokens, q and the keys and values
     written are the step-by-step loop's, bit for bit, for greedy and sampled rows side by
@@ -90,7 +92,7 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
 
     dtype = "float32" if head.startswith("fp32") else "bfloat16"
     layouts = {"fp32": ("avx2",), "fp32-generic": ("avx2",), "fp32-onednn": ("onednn",),
-               "fp32-int8": ("avx2", "onednn")}.get(head, ("amx", "onednn"))
+               "fp32-int8": ("avx2", "onednn")}.get(head, ("amx", "avx512_bf16", "onednn"))
 
     def propose(cpp: bool):
         runner = ModelRunner(draft, "cpu", dtype)

@@ -24,8 +24,9 @@ PREPACK_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: decode/verify
 
 
 class PackedWeight(NamedTuple):
-    """A linear weight packed for kernels/linear_cpu.cpp: bf16 for AMX tiles, or fp32 for
-    AVX2 (stored in bf16 where its values are bf16 numbers)."""
+    """A linear weight packed for kernels/linear_cpu.cpp: bf16 for AMX tiles (or AVX512-BF16's
+    pair products, in the same layout), or fp32 for AVX2 (stored in bf16 where its values are
+    bf16 numbers)."""
     packed: torch.Tensor
     in_features: int
     out_features: int
@@ -34,7 +35,7 @@ class PackedWeight(NamedTuple):
 
 def prepack_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether weights can be reordered for oneDNN on this device (CPU, fp32/bf16).
-    BATCHSPEC_CPU_PREPACK=0 turns it off (and the AMX layout with it)."""
+    BATCHSPEC_CPU_PREPACK=0 turns it off (and the C++ op's layouts with it)."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and os.environ.get("BATCHSPEC_CPU_PREPACK", "1") != "0"
             and torch.backends.mkldnn.is_available()
@@ -49,8 +50,9 @@ def prepack(w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None,
            float_out: bool = False) -> torch.Tensor:
-    """x . w^T (+ b) in x's dtype. float_out: the caller wants fp32 (logits); the AMX op then
-    writes its bf16-rounded values as fp32 directly, the others leave the conversion to it."""
+    """x . w^T (+ b) in x's dtype. float_out: the caller wants fp32 (logits); the C++ bf16 op
+    then writes its bf16-rounded values as fp32 directly, the others leave the conversion to
+    it."""
     if isinstance(w, PackedWeight):
         return w.op(x, w.packed, w.in_features, w.out_features, b, float_out)
     if w.is_mkldnn:
@@ -79,23 +81,33 @@ def weight_packer(dtype: torch.dtype, device: torch.device) -> tuple[str, Callab
     """How a model on CPU stores its linear weights, and the function that packs one:
     - "amx": bf16 on CPUs with AMX tiles, the C++ op of kernels/linear_cpu.cpp, several times
       faster than oneDNN at decoding's row counts and the same for a row whatever its batch;
+    - "avx512_bf16": bf16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later), the
+      same op's pair-product path on the tiles' layout: 2.7x faster than oneDNN at one row,
+      1.2x at 32 and 1.05x from 96 (benchmarks/bench_cpu_ops.py), with no primitive made per
+      row count (oneDNN's cost on ragged steps: see the op), and the same for a row in any
+      batch;
     - "avx2": fp32 on CPUs with AVX2 and FMA, the same op's fp32 path, about 2x faster
       than oneDNN at 1-5 rows and 1.2-1.3x at 32-64, also the same for a row in any batch; a
       weight whose values are all bf16 numbers (a bf16 checkpoint) is stored in bf16 and read
       back exactly, half the bytes (BATCHSPEC_CPU_LINEAR=avx2-fp32 stores fp32);
-    - "onednn": oneDNN's blocked layout (bf16 without AMX, or BATCHSPEC_CPU_LINEAR=onednn);
+    - "onednn": oneDNN's blocked layout (bf16 without AMX or AVX512-BF16, or
+      BATCHSPEC_CPU_LINEAR=onednn);
     - "none": F.linear (other devices, BATCHSPEC_CPU_PREPACK=0, or neither works).
     BATCHSPEC_CPU_LINEAR=onednn skips the C++ op (benchmarks and tests compare the two)."""
     if not prepack_available(dtype, device):
         return "none", lambda t: t
     choice = os.environ.get("BATCHSPEC_CPU_LINEAR")
     if choice != "onednn":
-        layout = "amx" if dtype == torch.bfloat16 else "avx2"
         compact = choice != "avx2-fp32"
         try:
             from batchspec.spec._build import load
             ops = load(False)
-            if (ops.linear_amx_available() if layout == "amx" else ops.linear_f32_available()):
+            if dtype != torch.bfloat16:
+                layout = "avx2" if ops.linear_f32_available() else None
+            else:
+                layout = "amx" if ops.linear_amx_available() else \
+                    "avx512_bf16" if ops.linear_bf16_available() else None
+            if layout is not None:
                 def pack_op(t: torch.Tensor) -> PackedWeight:
                     out_features, in_features = t.shape
                     return PackedWeight(ops.pack_linear_weight(t.contiguous(), compact),
@@ -257,11 +269,12 @@ class LlamaForCausalLM(nn.Module):
     def draft_steps_weights(self) -> list[torch.Tensor] | None:
         """The weights of kernels/draft_steps_cpu.cpp's draft_steps, in its order, or
         None where that op does not compute this forward: it covers a model on CPU with
-        packed linear weights (AMX, AVX2 or oneDNN), the fused C++ layer ops, no q/k norm, no bias, no
-        sliding window and one rank (BATCHSPEC_CPU_DRAFT_STEPS=python turns it off)."""
+        packed linear weights (AMX, AVX512-BF16, AVX2 or oneDNN), the fused C++ layer ops, no
+        q/k norm, no bias, no sliding window and one rank (BATCHSPEC_CPU_DRAFT_STEPS=python
+        turns it off)."""
         cfg = self.cfg
         if self.fused is None or not self.fuse_swiglu_rope or \
-                self.weight_layout not in ("amx", "avx2", "onednn") or \
+                self.weight_layout not in ("amx", "avx512_bf16", "avx2", "onednn") or \
                 cfg.qk_norm or cfg.attention_bias or cfg.sliding_window is not None or \
                 self.tp.size > 1 or any(layer["o_bias"] is not None for layer in self.layers) \
                 or os.environ.get("BATCHSPEC_CPU_DRAFT_STEPS", "cpp") == "python":

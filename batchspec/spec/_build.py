@@ -4,7 +4,7 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
   cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler),
         plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp),
         the fused RMSNorm of a layer (kernels/fused_cpu.cpp), bf16 linear layers on AMX tiles
-        (kernels/linear_cpu.cpp), a draft's output layer in int8 (kernels/head_int8_cpu.cpp)
+        or AVX512-BF16 (kernels/linear_cpu.cpp), a draft's output layer in int8 (kernels/head_int8_cpu.cpp)
         and the suffix trie of suffix
         drafts (kernels/suffix_trie.cpp; a pybind11 class, so this flavour is also a
         Python module: cpu_module())
