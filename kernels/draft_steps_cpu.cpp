@@ -41,12 +41,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "draft_draw.h"
+#include "kv_write.h"
 
 #ifndef BS_NS
 #define BS_NS batchspec
@@ -109,6 +111,21 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t in, int64_t out, bool fl
   onednn.callBoxed(&stack);
   Tensor y = stack[0].toTensor();
   return float_out && y.scalar_type() != at::kFloat ? y.to(at::kFloat) : y;
+}
+
+// rows of the embedding table, one a token (what at::embedding computes, without its
+// dispatch and index checks beyond the ids' range)
+Tensor embed_rows(const Tensor& embed, const std::vector<int64_t>& ids) {
+  const int64_t V = embed.size(0), H = embed.size(1), bytes = H * embed.element_size();
+  TORCH_CHECK(embed.is_contiguous(), "draft_steps: contiguous embedding");
+  Tensor h = at::empty({int64_t(ids.size()), H}, embed.options());
+  const char* src = static_cast<const char*>(embed.data_ptr());
+  char* dst = static_cast<char*>(h.data_ptr());
+  for (size_t t = 0; t < ids.size(); ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < V, "draft_steps: token id ", ids[t], " out of range");
+    std::memcpy(dst + t * bytes, src + ids[t] * bytes, bytes);
+  }
+  return h;
 }
 
 constexpr int64_t GLOBALS = 4;      // embed, cos, sin, final norm
@@ -202,24 +219,22 @@ std::tuple<Tensor, Tensor> draft_steps(
       active.push_back(r);
     }
     const int64_t M = active.size(), T = ids.size();
+    // (views of the step's vectors, which outlive every op that reads them)
     auto tensor = [&](const std::vector<int64_t>& v) {
-      return at::from_blob(const_cast<int64_t*>(v.data()), {int64_t(v.size())}, i64).clone();
+      return at::from_blob(const_cast<int64_t*>(v.data()), {int64_t(v.size())}, i64);
     };
-    const Tensor p = tensor(pids), slot_mapping = tensor(slots),
-                 row_info = tensor(rows).view({M, 3}),
-                 blocks = block_tables.index_select(0, tensor(active));
-    Tensor h = at::embedding(embed, tensor(ids)), x, mlp_out;
+    const Tensor p = tensor(pids), row_info = tensor(rows).view({M, 3}),
+                 blocks = M == R ? block_tables : block_tables.index_select(0, tensor(active));
+    Tensor h = embed_rows(embed, ids), x, mlp_out;
     for (int64_t l = 0; l < L; ++l) {
       const Tensor* w = weights.data() + GLOBALS + head_n + PER_LAYER * l;
       x = l == 0 ? op.rms_norm.call(h, w[0], eps) : op.add_rms_norm.call(h, mlp_out, w[0], eps);
       Tensor qkv = linear(x, w[2], H, qs + 2 * kvs, false);
-      Tensor v = qkv.slice(1, qs + kvs).view({T, Hkv, D});
       auto [q, k] = op.rope_qk.call(qkv, cos, sin, p, Hq, Hkv);
-      Tensor k_cache = caches[2 * l], v_cache = caches[2 * l + 1];
-      k_cache.index_copy_(0, slot_mapping, k);
-      v_cache.index_copy_(0, slot_mapping, v);
+      bs::write_kv_rows(caches[2 * l], k, slots.data(), T);
+      bs::write_kv_rows(caches[2 * l + 1], qkv.slice(1, qs + kvs), slots.data(), T);
       Tensor att = at::empty_like(q);
-      op.attention.call(q.contiguous(), k_cache, v_cache, blocks, row_info, scale, block_size,
+      op.attention.call(q, caches[2 * l], caches[2 * l + 1], blocks, row_info, scale, block_size,
                         att);
       Tensor proj = linear(att.reshape({T, qs}), w[3], qs, H, false);
       x = op.add_rms_norm.call(h, proj, w[1], eps);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "kv_write.h"
 
 namespace {
 
@@ -724,11 +725,26 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
+// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] (kv_write.h): the forward's cache
+// writes on CPU
+void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k,
+               const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              "write_kv_: contiguous int64 slots");
+  const int64_t n = slots.numel();
+  bs::write_kv_rows(k_cache, k, slots.data_ptr<int64_t>(), n);
+  bs::write_kv_rows(v_cache, v, slots.data_ptr<int64_t>(), n);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
+  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor rows, float scale, int block_size, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(BS_NS, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(BS_NS, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv_", &write_kv_);
+}

@@ -444,6 +444,28 @@ def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
                     assert err <= tol, (D, Hq, Hkv, bs, dt, err)
 
 
+def test_cpu_cache_writes_are_index_copy():
+    """write_kv_ (kernels/kv_write.h), the forward's key and value writes on CPU: the cache
+    index_copy_ makes, for bf16 and fp32, keys contiguous and values a strided view of the
+    qkv product (as the forward passes them); a slot outside the cache is refused."""
+    from batchspec.spec._build import load
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    op = load(False).write_kv_
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float32):
+        qkv = torch.randn(7, 4 * 16 + 2 * 2 * 16, generator=g).to(dt)
+        k = torch.randn(7, 2, 16, generator=g).to(dt)
+        v = qkv[:, 4 * 16 + 2 * 16:].view(7, 2, 16)
+        slots = torch.tensor([5, 0, 31, 12, 13, 14, 2])
+        caches = [torch.randn(32, 2, 16, generator=g).to(dt) for _ in range(2)]
+        want = [c.clone().index_copy_(0, slots, x) for c, x in zip(caches, (k, v))]
+        op(caches[0], caches[1], k, v, slots)
+        assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+        with pytest.raises(RuntimeError, match="out of range"):
+            op(caches[0], caches[1], k, v, torch.tensor([5, 0, 32, 12, 13, 14, 2]))
+
+
 @pytest.mark.parametrize("path", ["default", "avx512", "avx2", "portable"])
 def test_a_query_attends_alike_in_a_window_and_decoded_alone(path, monkeypatch):
     """Each query of a verification window gets, bit for bit, the attention it gets as a

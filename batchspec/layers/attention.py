@@ -179,8 +179,11 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
                     backend: str = "torch", block_size: int = 16, sliding_window=None):
     """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_slots, Hkv, D]. Writes k/v into the cache
     and returns attention output [T, Hq, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if k_cache.device.type == "cpu" and _load_cpu_op():   # the C++ copies (kv_write.h)
+        _cpu_write(k_cache, v_cache, k, v, meta.slot_mapping)
+    else:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     if backend == "flash":
         return _flash_attention(q, k_cache, v_cache, meta, scale, block_size, sliding_window)
     out = torch.empty_like(q)
@@ -226,6 +229,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 
 _cpu_op = None
+_cpu_write = None
 
 
 def _cpu_kernel(q, meta):
@@ -246,14 +250,17 @@ def cpu_attention_kernel():
 
 
 def _load_cpu_op():
-    """The kernel's op, built on first use; False where it cannot be (gather + SDPA then)."""
-    global _cpu_op
+    """The kernel's op, built on first use; False where it cannot be (gather + SDPA then).
+    With it comes the op that writes a forward's keys and values into the cache
+    (_cpu_write)."""
+    global _cpu_op, _cpu_write
     if _cpu_op is None:
         _cpu_op = False
         if os.environ.get("BATCHSPEC_CPU_ATTENTION", "kernel") != "sdpa":
             try:
                 from batchspec.spec._build import load
-                _cpu_op = load(False).paged_decode_attention
+                ops = load(False)
+                _cpu_op, _cpu_write = ops.paged_decode_attention, ops.write_kv_
             except Exception as e:  # noqa: BLE001 - no compiler: gather + SDPA
                 log.warning("CPU paged attention kernel unavailable (%s); using SDPA", e)
     return _cpu_op
