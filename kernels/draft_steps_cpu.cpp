@@ -5,15 +5,16 @@
 //
 // Why: a draft model is small, and at a handful of rows its forward is bound by dispatch,
 // not arithmetic, and a round pays it k times: a round of the demo code draft's four greedy
-// steps takes 1.7 ms step by step at one row and 0.55 ms here (benchmarks/bench_cpu_ops.py).
+// steps takes 1.7 ms step by step at one row and 0.55 ms here (AMX CPU; AVX512-BF16 CPU:
+// 0.56 and 0.19 ms; benchmarks/bench_cpu_ops.py).
 // Here the same ops run from C++ (through the dispatcher: the very kernels the Python
-// forward calls), and the step's bookkeeping, which the engine would redo in Python per step
-// (token and position tensors, cache slots, attention rows, the draw), is a few integer
-// operations.
+// forward calls; the cache writes and the embedding lookup as plain copies), and the step's
+// bookkeeping, which the engine would redo in Python per step (token and position tensors,
+// cache slots, attention rows, the draw), is a few integer operations.
 //
 // The forward is LlamaForCausalLM.forward's (batchspec/models/llama.py) for a model with
-// packed linear weights (AMX, AVX2 or oneDNN), the fused C++ layer ops, the C++ paged
-// attention, no q/k norm, no bias, no sliding window and one rank; the draw is
+// packed linear weights (AMX, AVX512-BF16, AVX2 or oneDNN), the fused C++ layer ops, the C++
+// paged attention, no q/k norm, no bias, no sliding window and one rank; the draw is
 // DraftModelProposer.propose's, top-k and top-p included (draft_draw.h's rows, which the
 // loop calls through softmax_rows and draw_rows). The same ops in the same order on the same
 // inputs, so the logits, q and the tokens are the Python loop's bit for bit (tested). The
@@ -100,8 +101,8 @@ const Ops& ops() {
 }
 
 // x . w^T as the Python forward's `linear` computes it (batchspec/models/llama.py): the C++
-// op for its packed weights (bf16 on AMX, fp32 on AVX2), oneDNN for weights in oneDNN's
-// blocked layout (mkldnn tensors); float_out: fp32 logits.
+// op for its packed weights (bf16 on AMX or AVX512-BF16, fp32 on AVX2), oneDNN for weights
+// in oneDNN's blocked layout (mkldnn tensors); float_out: fp32 logits.
 Tensor linear(const Tensor& x, const Tensor& w, int64_t in, int64_t out, bool float_out) {
   if (!w.is_mkldnn()) return ops().linear.call(x, w, in, out, std::nullopt, float_out);
   static const c10::OperatorHandle onednn =

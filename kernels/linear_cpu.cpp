@@ -428,11 +428,12 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_
 
 // x bf16 [..., K] . the bf16 packed weight (+ bias) on AVX512-BF16 (VDPBF16PS): for CPUs
 // with it and without AMX tiles (AMD Zen 4 and later, Intel Cooper Lake). The same layout as
-// the tiles'. Why not oneDNN there: its product is a primitive made for each row count (M)
-// and weight shape, kept in a cache of 1,024 primitives at about 0.65 MB each; a job whose
-// steps have ragged row counts (verification windows, prompts joining a batch) made a new
-// one (0.2-0.5 ms) for 6% of its products at 32 rows and spent 4% of its time doing so,
-// and a long job's cache holds over a gigabyte (benchmarks/bench_cpu_ops.py --ragged).
+// the tiles'. Why not oneDNN there: its product is a primitive built for each row count and
+// weight shape (0.2-0.5 ms each), of which it caches 1,024. A job's steps have ragged row
+// counts (verification windows of different lengths, prompts joining the batch): in a
+// 32-row suffix-draft job 6% of the products built one, 4% of the job's time, and the
+// demo target's weights over 268 row counts cost 1.7x this path's time and 630-730 MB of
+// primitives (benchmarks/bench_cpu_ops.py --ragged).
 at::Tensor linear_bf16_dp(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                           const std::optional<at::Tensor>& bias, bool float_out) {
 #if defined(BS_HAVE_AVX512_PATH)

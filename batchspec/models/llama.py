@@ -82,10 +82,10 @@ def weight_packer(dtype: torch.dtype, device: torch.device) -> tuple[str, Callab
     - "amx": bf16 on CPUs with AMX tiles, the C++ op of kernels/linear_cpu.cpp, several times
       faster than oneDNN at decoding's row counts and the same for a row whatever its batch;
     - "avx512_bf16": bf16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later), the
-      same op's pair-product path on the tiles' layout: 2.7x faster than oneDNN at one row,
-      1.2x at 32 and 1.05x from 96 (benchmarks/bench_cpu_ops.py), with no primitive made per
-      row count (oneDNN's cost on ragged steps: see the op), and the same for a row in any
-      batch;
+      same op's pair-product path on the tiles' layout: the demo target's forwards 1.8x
+      faster than with oneDNN at one row and 1.1x at 32 (benchmarks/bench_attention.py
+      --compare linear), with no primitive made per row count (oneDNN's cost on ragged
+      steps: see the op), and the same for a row in any batch;
     - "avx2": fp32 on CPUs with AVX2 and FMA, the same op's fp32 path, about 2x faster
       than oneDNN at 1-5 rows and 1.2-1.3x at 32-64, also the same for a row in any batch; a
       weight whose values are all bf16 numbers (a bf16 checkpoint) is stored in bf16 and read
