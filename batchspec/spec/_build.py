@@ -4,10 +4,10 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
   cpu   registers torch.ops.batchspec.*       (the C++ twin of the kernel; any C++ compiler),
         plus the CPU paged attention of short rows (kernels/paged_attention_cpu.cpp),
         the fused RMSNorm of a layer (kernels/fused_cpu.cpp), bf16 linear layers on AMX tiles
-        or AVX512-BF16 (kernels/linear_cpu.cpp), a draft's output layer in int8 (kernels/head_int8_cpu.cpp)
-        and the suffix trie of suffix
-        drafts (kernels/suffix_trie.cpp; a pybind11 class, so this flavour is also a
-        Python module: cpu_module())
+        or AVX512-BF16 (kernels/linear_cpu.cpp), a draft's output layer in int8
+        (kernels/head_int8_cpu.cpp) and the suffix trie of suffix drafts
+        (kernels/suffix_trie.cpp; a pybind11 class, so this flavour is also a Python module:
+        cpu_module())
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
 directory per torch version and hash of the kernel sources and compiler flags, so checkouts
