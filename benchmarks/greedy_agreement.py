@@ -1,9 +1,9 @@
 """Rows whose greedy output differs from plain decoding's, per speculation method, on held-out
 code and docs prompts of the demo family (64 new tokens each). Exact speculation changes no
 greedy token where the target computes a token alike in a verification window and in a
-decode step: fp32, and bf16 on CPUs with AMX (kernels/linear_cpu.cpp, the attention's tile
-path). Elsewhere in bf16 a window rounds differently from a decode step, and a near-tied
-token can flip.
+decode step: fp32, and bf16 on CPUs with AMX or AVX512-BF16 (kernels/linear_cpu.cpp, the
+attention kernel). Elsewhere in bf16 a window rounds differently from a decode step, and a
+near-tied token can flip.
 
     python benchmarks/greedy_agreement.py                          # bf16 where the CPU has it
     python benchmarks/greedy_agreement.py --batch-size 1

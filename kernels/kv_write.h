@@ -1,7 +1,7 @@
 // The new tokens' keys or values into their paged-cache slots on CPU: row t of src (heads x
-// head dim, contiguous within the row; rows of any stride) to row slots[t] of the cache. What two index_copy_ calls compute, without their dispatch and iterator set-up,
-// which cost more than a step's few rows of bytes (12 calls a forward of the demo target,
-// about 20 us each at 100 rows).
+// head dim, contiguous within the row; rows of any stride) to row slots[t] of the cache.
+// What index_copy_ computes, without its dispatch and iterator set-up, which cost more than
+// a step's few rows of bytes (two calls a layer, each forward).
 #pragma once
 #include <ATen/ATen.h>
 

@@ -542,8 +542,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return linear_bf16_dp(x, packed, out_features, bias, float_out);
 }
 
-// the AVX512-BF16 path whatever the CPU also has (tests and benchmarks compare it with the
-// tiles)
+// the AVX512-BF16 path whatever the CPU also has (tests compare it with the tiles)
 at::Tensor linear_packed_dp(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
                             int64_t out_features, const std::optional<at::Tensor>& bias,
                             bool float_out) {

@@ -153,7 +153,7 @@ def test_bf16_linear_is_the_product_and_the_same_for_a_row_in_any_batch(path):
     ops, linear = _bf16_linear(path)
     g = torch.Generator().manual_seed(0)
     for n, k, bias in ((512, 256, False), (37, 50, True), (4096, 192, False), (16, 32, True),
-                       (100, 63, False), (48, 17, True)):
+                       (100, 63, False), (48, 17, True), (32, 33, False)):
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
         packed = ops.pack_linear_weight(w)
