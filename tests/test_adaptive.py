@@ -1,5 +1,7 @@
 """Per-slot adaptive verification (SpecPolicy.choose_lengths): which draft slots a step
 admits, from per-depth acceptance estimates and measured step costs."""
+import math
+
 import pytest
 
 from batchspec import LLM
@@ -143,6 +145,42 @@ def test_estimates_shrink_towards_the_pool():
     policy.record(hot, "d", 2, 0)
     assert ("d", 0.8) in policy.pooled
     assert policy.pooled[greedy_pool] == ([900, 400], [1000, 1000])
+
+
+def test_estimates_follow_a_requests_recent_rounds_and_its_output_position():
+    """Acceptance drifts along a request's output. A request's own counts decay with each
+    round (REQUEST_DECAY), so that after a run of rejections a run of acceptances lifts its
+    estimate near the pool's (with counts over all rounds it would stay low); and pooled
+    estimates are kept per band of output positions, which rows at those positions read
+    before the domain's over all positions."""
+    from batchspec.spec.policy import REQUEST_DECAY, position_band
+    policy = SpecPolicy(Cfg(), 1024)
+    seq = Sequence(0, "0", [1], SamplingParams(), seed=0, domain="code")
+    seq.spec.draft = "d"
+    for _ in range(20):
+        policy.record(seq, "d", 1, 0)
+    low = policy.depth_probs(seq, "d", 1)[0]
+    for _ in range(5):
+        policy.record(seq, "d", 1, 1)
+    # undecayed: (5 + 4 p) / (25 + 4), p the pool's (5 of 25 accepted): under 0.3
+    assert policy.depth_probs(seq, "d", 1)[0] > 0.4 > 0.3 > low
+    acc, judged = seq.spec.source_depth["d"]
+    assert judged[0] == pytest.approx(sum(REQUEST_DECAY ** i for i in range(25)))
+    # pooled per band of output positions: 0-15, 16-31, 32-63, ...
+    early, late = (Sequence(i, str(i), [1], SamplingParams(), seed=0, domain="code")
+                   for i in (1, 2))
+    for s_ in (early, late):
+        s_.spec.draft = "d"
+    late.token_ids.extend([5] * 40)
+    assert (position_band(early), position_band(late)) == (0, 2)
+    fresh = SpecPolicy(Cfg(), 1024)
+    for _ in range(500):
+        fresh.record(early, "d", 1, 0)
+        fresh.record(late, "d", 1, 1)
+    early.spec.source_depth.clear()
+    late.spec.source_depth.clear()
+    p_early, p_late = (fresh.depth_probs(s_, "d", 1)[0] for s_ in (early, late))
+    assert p_early < 0.1 and p_late > 0.9          # the domain's over both: about 0.5
 
 
 def test_noisy_timings_are_smoothed_into_lines_in_q_and_monotone_in_b():
@@ -920,19 +958,21 @@ def test_while_plain_leads_plans_are_weighed_only_when_a_try_may_be_due():
 
 
 @pytest.mark.parametrize("most_rows", [4, 40])
-def test_small_plans_weighed_in_python_match_numpy(monkeypatch, most_rows):
-    """Plans of up to SMALL_PLAN slots are weighed without numpy: the same slots, rate,
-    tokens and seconds as the numpy path, ties included, over random rows and costs, of up
-    to 4 rows (what the Python path weighs) and up to 40 (the numpy path's own work)."""
+def test_plans_are_the_best_prefix_of_the_slot_order(most_rows):
+    """A plan is the best prefix of its slots' order by expected tokens over the forwards'
+    seconds plus extra_s, each prefix priced from the costs' public functions (the target
+    over the prefix's tokens, each model draft's forward at each depth over the rows it
+    drafts there, scaled by the draft's measured ratio): over random rows, sources, costs,
+    survival ties and skipped rows, of up to 4 rows and up to 40."""
     import random
-
-    import batchspec.spec.policy as policy_module
     rng = random.Random(0)
     for trial in range(200):
         b_costs = [rng.uniform(0.5, 2.0) for _ in range(3)]
         extra = rng.choice([0.0, 1e-4, 1e-3, 5e-3])
         target = {q: [0.01 * c * (1 + extra * (q - 1)) for c in b_costs] for q in range(1, 6)}
         policy = make_policy(target, {"a": [1e-3, 2e-3, 9e-3], "b": [2e-4, 5e-4, 4e-3]})
+        if trial % 3 == 0:      # a draft whose calls measured slower than predicted
+            policy._draft_timed["a"] = [1.0, 1.5, 10]
         num = rng.randint(1, most_rows)
         rows = []
         for _ in range(num):
@@ -943,14 +983,47 @@ def test_small_plans_weighed_in_python_match_numpy(monkeypatch, most_rows):
             probs = [[rng.choice([0.25, 0.5, 0.75]) for _ in range(n)] for _, _, n, _ in rows]
         else:
             probs = [[rng.random() for _ in range(n)] for _, _, n, _ in rows]
+        skip = {i for i in range(num) if rng.random() < 0.2}
         num_rows = num + rng.randint(0, 3)
-        monkeypatch.setattr(policy_module, "SMALL_PLAN", 1 << 30)
-        small = policy._plan(rows, probs, set(), num_rows)
-        monkeypatch.setattr(policy_module, "SMALL_PLAN", 0)
-        big = policy._plan(rows, probs, set(), num_rows)
-        monkeypatch.setattr(policy_module, "SMALL_PLAN", 16)
-        assert small[0] == big[0] and list(small[4]) == list(big[4])
-        assert small[1:4] == pytest.approx(big[1:4], rel=0, abs=0), (small[:4], big[:4])
+        extra_s = rng.choice([0.0, 1e-3])
+        n, rate, tokens, seconds, order, row, depth = policy._plan(rows, probs, skip, num_rows,
+                                                                   extra_s)
+        survive = {}
+        for i, row_probs in enumerate(probs):
+            if i not in skip:
+                for d in range(len(row_probs)):
+                    survive[i, d] = math.prod(row_probs[:d + 1])
+        assert sorted(zip(row, depth)) == sorted(survive)
+        slots = [(row[j], depth[j]) for j in order]
+        if not slots:       # every row skipped: no plan
+            assert (n, tokens, seconds) == (0, 0.0, 0.0)
+            continue
+        # each slot's key (survival, per second of cost where sources differ), most first
+        token_s = policy.costs.verified_token_s(num_rows) + 1e-12
+        key = {}
+        for i, d in slots:
+            src, is_model = rows[i][1], rows[i][3]
+            unit = token_s + (policy.costs.draft_row_s(src, num) * policy.draft_scale(src)
+                              if is_model else 0.0)
+            key[i, d] = survive[i, d] / unit if len({(r[1], r[3]) for r in rows}) > 1 \
+                else survive[i, d]
+        for (i, d), (i2, d2) in zip(slots, slots[1:]):
+            assert (-key[i, d], d, i) <= (-key[i2, d2], d2, i2)
+        best = None
+        for m in range(1, len(slots) + 1):
+            counts = {}
+            for i, d in slots[:m]:
+                if rows[i][3]:
+                    counts[rows[i][1], d] = counts.get((rows[i][1], d), 0) + 1
+            sec = policy.costs.target_tokens_s(num_rows, num_rows + m) + sum(
+                policy.costs.draft_s(src, c) * policy.draft_scale(src)
+                for (src, _), c in counts.items())
+            tok = num_rows + sum(survive[s] for s in slots[:m])
+            if best is None or tok / (sec + extra_s) > best[0] * (1 + 1e-9):
+                best = (tok / (sec + extra_s), m, tok, sec)
+        assert n == best[1], (trial, n, best)
+        assert (tokens, seconds) == pytest.approx(best[2:], rel=1e-9)
+        assert rate == pytest.approx(tokens / seconds, rel=1e-12)
 
 
 def test_only_adaptive_or_routed_engines_keep_acceptance_estimates(tiny_llama):

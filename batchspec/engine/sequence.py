@@ -34,8 +34,9 @@ class SpecState:
     round_accepted: list[int] = field(default_factory=list)
     round_source: list[str | None] = field(default_factory=list)  # who drafted each round
     # source -> (accepted, judged) at each depth: a draft at depth d is judged when every
-    # draft before it was accepted (the policy's per-request acceptance estimates)
-    source_depth: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # draft before it was accepted (the policy's per-request acceptance estimates; counts
+    # that decay with each round, policy.REQUEST_DECAY)
+    source_depth: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
     skipped_by_confidence: int = 0
     fallback_triggered: bool = False
     window: deque = field(default_factory=deque)  # (drafted, accepted) of recent rounds

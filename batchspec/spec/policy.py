@@ -16,8 +16,19 @@ from batchspec.engine.sequence import Sequence
 
 # Prior on a source's per-depth acceptance probability before its first rounds (p = 0.6
 # worth 10 rounds), and the weights (in rounds) of the source's pooled estimate in its
-# domain's and of the domain's in a request's own.
-PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = 0.6, 10, 10, 4
+# domain's, of the domain's in the domain's at the row's band of output positions, and of
+# that in a request's own.
+PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, BAND_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = \
+    0.6, 10, 10, 10, 4
+# Acceptance drifts along a request's output: the demo's code and prose drafts had their
+# first token accepted 0.78 of the time in a row's first 16 output tokens, 0.89 in the next
+# 16 and 0.94 after 32 (T = 0, 8 rows). Pooled estimates are also kept per band of output
+# positions (position_band: 0-15, 16-31, 32-63, ... up to MAX_POSITION_BAND), and a
+# request's own counts decay by REQUEST_DECAY at each of its rounds, so that its estimate
+# follows its recent rounds. With counts over all its rounds, a request's estimates lagged
+# behind its acceptance: at 8 rows and T = 0 they predicted 0.83 for a first draft accepted
+# 0.87 of the time (0.56 for a fourth, 0.62), and plans admitted too few slots.
+REQUEST_DECAY, MAX_POSITION_BAND = 0.7, 8
 MAX_P = 0.98
 # Now and then a choice takes the other side (plain when the best plan speculates, the best
 # speculating plan when it is plain), so that both sides' corrections come from steps of
@@ -46,9 +57,6 @@ SWITCH_MARGIN = 1.05
 # The prompt row timed at start-up (StepCosts.prompt_token_s); steps that run more prompt
 # tokens than twice this are not measured (attention grows with the prompt's square).
 PROMPT_TIMED = 64
-# Plans of at most this many slots are weighed in plain Python (SpecPolicy._plan): at one to
-# four rows numpy's per-call costs were most of a weighing's ~0.1 ms, a step in 25 at one row.
-SMALL_PLAN = 16
 # Mixes of temperatures and batch-size bands whose measurements are kept besides the current
 # one (_use_mix): a worker serving jobs of many temperatures holds a bounded state.
 MAX_MIXES = 64
@@ -139,14 +147,6 @@ class StepCosts:
         lo = int(q)
         return t[lo] + (q - lo) * (t[min(lo + 1, q_max)] - t[lo])
 
-    def target_tokens_s_many(self, b: int, num_tokens: np.ndarray) -> np.ndarray:
-        """target_tokens_s for an array of token counts at one batch size."""
-        t = np.asarray(self._target_at(b))
-        q_max = len(t) - 1
-        q = np.clip(num_tokens / b, 1.0, float(q_max))
-        lo = q.astype(np.int64)
-        return t[lo] + (q - lo) * (t[np.minimum(lo + 1, q_max)] - t[lo])
-
     def draft_marginal_s(self, name: str, num_rows: int) -> np.ndarray:
         """[c] = the cost of one more row in a forward of draft `name` over c rows, for
         c < num_rows."""
@@ -157,6 +157,14 @@ class StepCosts:
                                                for c in range(num_rows + 1)])
         return m
 
+    def draft_marginal_list(self, name: str, num_rows: int) -> list[float]:
+        """draft_marginal_s as Python floats (what SpecPolicy._plan sums)."""
+        key = (name, num_rows, list)
+        m = self._marginal.get(key)
+        if m is None:
+            m = self._marginal[key] = self.draft_marginal_s(name, num_rows).tolist()
+        return m
+
     def draft_s(self, name: str, b: int) -> float:
         return self._at(self.draft[name], b) if b > 0 and name in self.draft else 0.0
 
@@ -165,6 +173,13 @@ def temperature_bucket(seq: Sequence) -> float:
     """The temperature that estimates and measurements are kept per: seq's, to 0.1
     (acceptance falls steeply with it)."""
     return round(seq.params.temperature, 1)
+
+
+def position_band(seq: Sequence) -> int:
+    """The band of output positions a row's next round starts in, whose pooled acceptance
+    estimates it reads and counts in: 0 for its first 16 output tokens, then one band per
+    doubling (16-31, 32-63, ...), up to MAX_POSITION_BAND."""
+    return min(max(0, seq.num_output_tokens.bit_length() - 4), MAX_POSITION_BAND)
 
 
 def batch_band(num_rows: int) -> int:
@@ -251,12 +266,17 @@ class SpecPolicy:
     def record(self, seq: Sequence, source: str | None, num_drafted: int,
                num_accepted: int, classes: list[int] | None = None) -> None:
         """Count a round's per-depth outcome in the request's own estimates for its source
-        (on its SpecState) and in the source's pooled ones (overall and for the domain, at
-        the request's temperature); drafts the source classed (classes: one per draft) also
+        (on its SpecState; its earlier rounds' counts decay by REQUEST_DECAY first) and in
+        the source's pooled ones (overall, for the domain and for the domain at the row's
+        band of output positions, at the request's temperature); drafts the source classed (classes: one per draft) also
         count in their classes."""
         if not num_drafted or source is None:
             return
         own = seq.spec.source_depth.setdefault(source, ([], []))
+        own_acc, own_judged = own
+        for d in range(len(own_judged)):      # older rounds weigh less (REQUEST_DECAY)
+            own_acc[d] *= REQUEST_DECAY
+            own_judged[d] *= REQUEST_DECAY
         src, dom = self._pool_keys(seq, source)
         if classes is not None:
             counts = self.by_class.setdefault(src, {})
@@ -265,7 +285,8 @@ class SpecPolicy:
                 c[0] += d < num_accepted
                 c[1] += 1
         for acc, judged in (own, self.pooled.setdefault(src, ([], [])),
-                            self.pooled.setdefault(dom, ([], []))):
+                            self.pooled.setdefault(dom, ([], [])),
+                            self.pooled.setdefault(dom + (position_band(seq),), ([], []))):
             while len(judged) < num_drafted:
                 acc.append(0)
                 judged.append(0)
@@ -284,11 +305,12 @@ class SpecPolicy:
     def depth_probs(self, seq: Sequence, source: str, n: int,
                     classes: list[int] | None = None) -> list[float]:
         """Estimated probability that seq's draft at depth d (d < n) from `source` is accepted
-        given that every draft before it was: the request's own counts at that depth, shrunk
-        towards the source's pooled estimate for the request's domain (at its temperature,
-        as all pooled estimates), itself shrunk towards
-        the source's estimate over all domains, shrunk towards the estimate one depth
-        shallower (PRIOR_P at depth 0). A draft the source classed by its own evidence
+        given that every draft before it was: the request's own counts at that depth (older
+        rounds weighing less, REQUEST_DECAY), shrunk towards the source's pooled estimate for
+        the request's domain at the row's band of output positions (position_band; at its
+        temperature, as all pooled estimates), shrunk towards the domain's over all
+        positions, shrunk towards the source's estimate over all domains, shrunk towards
+        the estimate one depth shallower (PRIOR_P at depth 0). A draft the source classed by its own evidence
         (classes: one per draft) takes its class's acceptance instead, shrunk towards the
         depth's estimate (a suffix draft continuing a long, unanimous match is far likelier
         to hold than one after a single token). Estimates are capped at 0.98 (no slot is
@@ -308,15 +330,19 @@ class SpecPolicy:
         src_key, dom_key = self._pool_keys(seq, source)
         src_acc, src_judged = self.pooled.get(src_key, ((), ()))
         dom_acc, dom_judged = self.pooled.get(dom_key, ((), ()))
+        band_acc, band_judged = self.pooled.get(dom_key + (position_band(seq),), ((), ()))
         own_acc, own_judged = seq.spec.source_depth.get(source, ((), ()))
         # (unrolled: this runs for every row at every weighing; 6 against 8 us a row)
-        n_src, n_dom, n_own = len(src_judged), len(dom_judged), len(own_judged)
+        n_src, n_dom, n_band, n_own = len(src_judged), len(dom_judged), len(band_judged), \
+            len(own_judged)
         out, p = [], PRIOR_P
         for d in range(n):
             if d < n_src:
                 p = (src_acc[d] + PRIOR_ROUNDS * p) / (src_judged[d] + PRIOR_ROUNDS)
             if d < n_dom:
                 p = (dom_acc[d] + DOMAIN_PRIOR_ROUNDS * p) / (dom_judged[d] + DOMAIN_PRIOR_ROUNDS)
+            if d < n_band:
+                p = (band_acc[d] + BAND_PRIOR_ROUNDS * p) / (band_judged[d] + BAND_PRIOR_ROUNDS)
             if d < n_own:
                 p = (own_acc[d] + REQUEST_PRIOR_ROUNDS * p) / (own_judged[d] + REQUEST_PRIOR_ROUNDS)
             p = min(p, MAX_P)
@@ -590,7 +616,11 @@ class SpecPolicy:
         slot's row, each slot's depth); 0 slots when no row may draft. The plan is the one
         with the most tokens per second once extra_s, what a step costs besides the
         forwards (_overhead_s), is added to its seconds; the rate and seconds returned are
-        the forwards' alone, as predictions are measured against."""
+        the forwards' alone, as predictions are measured against.
+
+        Plain Python floats throughout: this runs at every step that weighs plans, and with
+        numpy (arrays past 16 slots, its scalars below) it took 0.14 ms of a 5 ms step at 8
+        rows, T = 0 (the policy's share is benchmarks/step_phases.py's "propose, rest")."""
         costs = self.costs
         survive, depth, row = [], [], []
         for i, row_probs in enumerate(probs):
@@ -611,50 +641,46 @@ class SpecPolicy:
         # a free lookup draft goes before a model's draft a little likelier to hold
         # (by survival alone, routed rows' model drafts at 32 rows came first, and the
         # plans they made no longer beat plain).
-        key = survive
         sources = {(src, is_model) for _, src, _, is_model in rows}
         if len(sources) > 1:
             token_s = costs.verified_token_s(num_rows) + 1e-12
             unit = {src: token_s + (costs.draft_row_s(src, len(rows)) * self.draft_scale(src)
                                     if is_model else 0.0)
                     for src, is_model in sources}
-            key = [sp / unit[rows[i][1]] for sp, i in zip(survive, row)]
-        small = len(survive) <= SMALL_PLAN
-        order = sorted(range(len(survive)), key=lambda j: (-key[j], depth[j], row[j])) \
-            if small else np.lexsort((row, depth, -np.asarray(key))).tolist()
+            keyed = [(-sp / unit[rows[i][1]], d, i, j)
+                     for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
+        else:
+            keyed = [(-sp, d, i, j) for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
+        keyed.sort()     # (row, depth) pairs are unique: the slot's index never decides
+        order = [j for _, _, _, j in keyed]
         # each model draft's cost grows with the rows it runs at each depth: a slot at
         # depth d adds one row to its source's forward at d
         # (scaled by what the draft's calls measured against their predictions)
-        marginal = {src: costs.draft_marginal_s(src, len(rows)) * self.draft_scale(src)
-                    for src in {src for _, src, _, is_model in rows if is_model}}
+        marginal = {src: [m * self.draft_scale(src) for m in costs.draft_marginal_list(
+            src, len(rows))] for src, is_model in sources if is_model}
         level: dict[tuple[str, int], int] = {}
-        draft_cost = []
-        for j in order:
+        # the target's time at this batch size for q = 1 .. k+1 tokens a row, interpolated
+        # in q as StepCosts.target_tokens_s does
+        t = costs._target_at(num_rows)
+        q_max = len(t) - 1
+        best_rate, best, kept, drafts = -1.0, 0, 0.0, 0.0
+        best_tokens = best_s = 0.0
+        for n, j in enumerate(order, 1):
+            kept += survive[j]
             _, src, _, is_model = rows[row[j]]
             if is_model:
                 c = level.get((src, depth[j]), 0)
                 level[(src, depth[j])] = c + 1
-                draft_cost.append(marginal[src][c])
-            else:
-                draft_cost.append(0.0)
-        if small:   # the same sums in the same order, without numpy's per-call costs
-            best_rate, best, kept, drafts = -1.0, 0, 0.0, 0.0
-            for i, j in enumerate(order):
-                kept += survive[j]
-                drafts += draft_cost[i]
-                tokens = num_rows + kept
-                sec = costs.target_tokens_s(num_rows, num_rows + i + 1) + drafts
-                rate = tokens / max(sec + extra_s, 1e-12)
-                if rate > best_rate:
-                    best_rate, best, best_tokens, best_s = rate, i, tokens, sec
-            return (best + 1, float(best_tokens / max(best_s, 1e-12)), float(best_tokens),
-                    float(best_s), order, row, depth)
-        tokens = num_rows + np.cumsum(np.asarray(survive)[order])
-        n = np.arange(1, len(order) + 1)
-        seconds = costs.target_tokens_s_many(num_rows, num_rows + n) + np.cumsum(draft_cost)
-        best = int(np.argmax(tokens / np.maximum(seconds + extra_s, 1e-12)))
-        return (best + 1, float(tokens[best] / max(seconds[best], 1e-12)), float(tokens[best]),
-                float(seconds[best]), order, row, depth)
+                drafts += marginal[src][c]
+            q = min((num_rows + n) / num_rows, float(q_max))
+            lo = int(q)
+            sec = t[lo] + (q - lo) * (t[min(lo + 1, q_max)] - t[lo]) + drafts
+            tokens = num_rows + kept
+            rate = tokens / max(sec + extra_s, 1e-12)
+            if rate > best_rate:
+                best_rate, best, best_tokens, best_s = rate, n, tokens, sec
+        return (best, best_tokens / max(best_s, 1e-12), best_tokens, best_s, order, row,
+                depth)
 
     def _use_mix(self, mix: tuple, num_rows: int = 1) -> None:
         """Switch the measurements and the lead to those of this mix of temperatures (each
