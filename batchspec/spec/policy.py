@@ -21,13 +21,14 @@ from batchspec.engine.sequence import Sequence
 PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, BAND_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS = \
     0.6, 10, 10, 10, 4
 # Acceptance drifts along a request's output: the demo's code and prose drafts had their
-# first token accepted 0.78 of the time in a row's first 16 output tokens, 0.89 in the next
-# 16 and 0.94 after 32 (T = 0, 8 rows). Pooled estimates are also kept per band of output
+# first token accepted 0.76 of the time in a row's first 16 output tokens, 0.88 in the next
+# 16 and 0.94 after 32 (T = 0, 8 rows; benchmarks/estimate_calibration.py). Pooled estimates are also kept per band of output
 # positions (position_band: 0-15, 16-31, 32-63, ... up to MAX_POSITION_BAND), and a
 # request's own counts decay by REQUEST_DECAY at each of its rounds, so that its estimate
 # follows its recent rounds. With counts over all its rounds, a request's estimates lagged
 # behind its acceptance: at 8 rows and T = 0 they predicted 0.83 for a first draft accepted
-# 0.87 of the time (0.56 for a fourth, 0.62), and plans admitted too few slots.
+# 0.87 of the time (0.56 for a fourth, 0.62): plans weighed every slot as less likely to
+# hold than it was.
 REQUEST_DECAY, MAX_POSITION_BAND = 0.7, 8
 MAX_P = 0.98
 # Now and then a choice takes the other side (plain when the best plan speculates, the best
