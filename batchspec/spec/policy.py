@@ -22,13 +22,13 @@ PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, BAND_PRIOR_ROUNDS, REQUEST_PRIOR_ROU
     0.6, 10, 10, 10, 4
 # Acceptance drifts along a request's output: the demo's code and prose drafts had their
 # first token accepted 0.76 of the time in a row's first 16 output tokens, 0.88 in the next
-# 16 and 0.94 after 32 (T = 0, 8 rows; benchmarks/estimate_calibration.py). Pooled estimates are also kept per band of output
-# positions (position_band: 0-15, 16-31, 32-63, ... up to MAX_POSITION_BAND), and a
-# request's own counts decay by REQUEST_DECAY at each of its rounds, so that its estimate
-# follows its recent rounds. With counts over all its rounds, a request's estimates lagged
-# behind its acceptance: at 8 rows and T = 0 they predicted 0.83 for a first draft accepted
-# 0.87 of the time (0.56 for a fourth, 0.62): plans weighed every slot as less likely to
-# hold than it was.
+# 16 and 0.94 after 32 (T = 0, 8 rows; benchmarks/estimate_calibration.py). Pooled
+# estimates are also kept per band of output positions (position_band: 0-15, 16-31, 32-63,
+# ... up to MAX_POSITION_BAND), and a request's own counts decay by REQUEST_DECAY at each of
+# its rounds, so that its estimate follows its recent rounds. With counts over all its
+# rounds, a request's estimates lagged behind its acceptance: at 8 rows and T = 0 they
+# predicted 0.83 for a first draft accepted 0.87 of the time (0.56 for a fourth, 0.62):
+# plans weighed every slot as less likely to hold than it was.
 REQUEST_DECAY, MAX_POSITION_BAND = 0.7, 8
 MAX_P = 0.98
 # Now and then a choice takes the other side (plain when the best plan speculates, the best
@@ -269,8 +269,8 @@ class SpecPolicy:
         """Count a round's per-depth outcome in the request's own estimates for its source
         (on its SpecState; its earlier rounds' counts decay by REQUEST_DECAY first) and in
         the source's pooled ones (overall, for the domain and for the domain at the row's
-        band of output positions, at the request's temperature); drafts the source classed (classes: one per draft) also
-        count in their classes."""
+        band of output positions, at the request's temperature); drafts the source classed
+        (classes: one per draft) also count in their classes."""
         if not num_drafted or source is None:
             return
         own = seq.spec.source_depth.setdefault(source, ([], []))
@@ -311,11 +311,11 @@ class SpecPolicy:
         the request's domain at the row's band of output positions (position_band; at its
         temperature, as all pooled estimates), shrunk towards the domain's over all
         positions, shrunk towards the source's estimate over all domains, shrunk towards
-        the estimate one depth shallower (PRIOR_P at depth 0). A draft the source classed by its own evidence
-        (classes: one per draft) takes its class's acceptance instead, shrunk towards the
-        depth's estimate (a suffix draft continuing a long, unanimous match is far likelier
-        to hold than one after a single token). Estimates are capped at 0.98 (no slot is
-        certain)."""
+        the estimate one depth shallower (PRIOR_P at depth 0). A draft the source classed by
+        its own evidence (classes: one per draft) takes its class's acceptance instead,
+        shrunk towards the depth's estimate (a suffix draft continuing a long, unanimous
+        match is far likelier to hold than one after a single token). Estimates are capped
+        at 0.98 (no slot is certain)."""
         out = self._depth_probs(seq, source, n)
         if classes is None:
             return out
