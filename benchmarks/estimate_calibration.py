@@ -5,7 +5,8 @@ the mean predicted survival of the slots drafted (SpecPolicy.depth_probs, the pr
 that depth) against the share that survived, and the mean squared error; then the share of
 first drafts accepted by band of output positions (the acceptance records' rounds).
 --decay and --max-band set policy.REQUEST_DECAY and policy.MAX_POSITION_BAND (1.0 and 0:
-a request's counts over all its rounds, one band: the estimates before either existed).
+a request's counts over all its rounds, no pools per band: the estimates before either
+existed). The bands printed are the policy's default ones whatever --max-band is.
 
     python benchmarks/estimate_calibration.py [--method spec-adaptive] [--batch-size 8]
         [--temperature 0] [--decay 0.7] [--max-band 8]
@@ -54,6 +55,7 @@ def main():
     ap.add_argument("--decay", type=float, default=policy_module.REQUEST_DECAY)
     ap.add_argument("--max-band", type=int, default=policy_module.MAX_POSITION_BAND)
     a = ap.parse_args()
+    bands_shown = policy_module.MAX_POSITION_BAND
     if not a.method.endswith("-adaptive"):
         ap.error(f"{a.method} has no adaptive policy: give a method ending in -adaptive")
     policy_module.REQUEST_DECAY, policy_module.MAX_POSITION_BAND = a.decay, a.max_band
@@ -113,13 +115,14 @@ def main():
         for pos, drafted, accepted in zip(s["round_output_pos"], s["round_drafted"],
                                           s["round_accepted"]):
             if drafted:
-                band = bands[min(max(0, pos.bit_length() - 4), a.max_band or 8)]
+                band = bands[policy_module.position_band(pos, bands_shown)]
                 band[0] += accepted > 0
                 band[1] += 1
     print("first draft accepted, by output position (last job):")
     for band, (held, n) in sorted(bands.items()):
         lo = 0 if band == 0 else 1 << (band + 3)
-        print(f"  {lo:4}-{(1 << (band + 4)) - 1:<5} {held / n:.3f}  ({n} rounds)")
+        hi = "" if band == bands_shown else f"{(1 << (band + 4)) - 1}"
+        print(f"  {lo:4}-{hi:<5} {held / n:.3f}  ({n} rounds)")
 
 
 if __name__ == "__main__":

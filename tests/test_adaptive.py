@@ -172,7 +172,10 @@ def test_estimates_follow_a_requests_recent_rounds_and_its_output_position():
     for s_ in (early, late):
         s_.spec.draft = "d"
     late.token_ids.extend([5] * 40)
-    assert (position_band(early), position_band(late)) == (0, 2)
+    assert [position_band(n) for n in (0, 15, 16, 31, 32, 40, 64, 1 << 20)] == \
+        [0, 0, 1, 1, 2, 2, 3, 8]
+    assert (position_band(early.num_output_tokens), position_band(late.num_output_tokens)) == \
+        (0, 2)
     fresh = SpecPolicy(Cfg(), 1024)
     for _ in range(500):
         fresh.record(early, "d", 1, 0)

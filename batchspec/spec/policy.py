@@ -87,6 +87,7 @@ class StepCosts:
     prompt_token_s: float = 0.0
     # derived tables, filled on first use (the timings do not change after smooth())
     _per_q: dict = field(default_factory=dict, repr=False)
+    _windows: dict = field(default_factory=dict, repr=False)
     _marginal: dict = field(default_factory=dict, repr=False)
 
     def _at(self, values: list[float], b: int) -> float:
@@ -139,14 +140,27 @@ class StepCosts:
 
     def target_tokens_s(self, b: int, num_tokens: int) -> float:
         """Target forward over b rows holding num_tokens tokens in all (ragged windows):
-        interpolated between the uniform shapes of q = floor and ceil of the mean."""
+        interpolated between the uniform shapes of q = floor and ceil of the mean (at most
+        k + 1 a row; fewer than one a row count as one)."""
         if b <= 0:
             return 0.0
-        t = self._target_at(b)
-        q_max = len(t) - 1
-        q = min(max(num_tokens / b, 1.0), float(q_max))
-        lo = int(q)
-        return t[lo] + (q - lo) * (t[min(lo + 1, q_max)] - t[lo])
+        w = self.windows_s(b)
+        return w[min(max(num_tokens - b, 0), len(w) - 1)]
+
+    def windows_s(self, b: int) -> list[float]:
+        """[n] = target_tokens_s(b, b + n) for n = 0 .. k * b: what a plan of n slots over b
+        rows costs the target (SpecPolicy._plan reads it slot by slot)."""
+        w = self._windows.get(b)
+        if w is None:
+            t = self._target_at(b)
+            q_max = len(t) - 1
+            w = []
+            for n in range(b, q_max * b + 1):
+                q = min(n / b, float(q_max))
+                lo = int(q)
+                w.append(t[lo] + (q - lo) * (t[min(lo + 1, q_max)] - t[lo]))
+            self._windows[b] = w
+        return w
 
     def draft_marginal_s(self, name: str, num_rows: int) -> np.ndarray:
         """[c] = the cost of one more row in a forward of draft `name` over c rows, for
@@ -176,11 +190,13 @@ def temperature_bucket(seq: Sequence) -> float:
     return round(seq.params.temperature, 1)
 
 
-def position_band(seq: Sequence) -> int:
-    """The band of output positions a row's next round starts in, whose pooled acceptance
-    estimates it reads and counts in: 0 for its first 16 output tokens, then one band per
-    doubling (16-31, 32-63, ...), up to MAX_POSITION_BAND."""
-    return min(max(0, seq.num_output_tokens.bit_length() - 4), MAX_POSITION_BAND)
+def position_band(num_output_tokens: int, most: int | None = None) -> int:
+    """The band of output positions of a round that starts after num_output_tokens output
+    tokens, whose pooled acceptance estimates a row reads and counts in: 0 for a row's first
+    16 output tokens, then one band per doubling (16-31, 32-63, ...), up to `most`
+    (MAX_POSITION_BAND when None; with 0, no pool per band is kept or read)."""
+    most = MAX_POSITION_BAND if most is None else most
+    return min(max(0, num_output_tokens.bit_length() - 4), most)
 
 
 def batch_band(num_rows: int) -> int:
@@ -285,9 +301,12 @@ class SpecPolicy:
                 c = counts.setdefault(classes[d], [0, 0])
                 c[0] += d < num_accepted
                 c[1] += 1
-        for acc, judged in (own, self.pooled.setdefault(src, ([], [])),
-                            self.pooled.setdefault(dom, ([], [])),
-                            self.pooled.setdefault(dom + (position_band(seq),), ([], []))):
+        pools = [own, self.pooled.setdefault(src, ([], [])),
+                 self.pooled.setdefault(dom, ([], []))]
+        if MAX_POSITION_BAND:
+            pools.append(self.pooled.setdefault(
+                dom + (position_band(seq.num_output_tokens),), ([], [])))
+        for acc, judged in pools:
             while len(judged) < num_drafted:
                 acc.append(0)
                 judged.append(0)
@@ -331,7 +350,9 @@ class SpecPolicy:
         src_key, dom_key = self._pool_keys(seq, source)
         src_acc, src_judged = self.pooled.get(src_key, ((), ()))
         dom_acc, dom_judged = self.pooled.get(dom_key, ((), ()))
-        band_acc, band_judged = self.pooled.get(dom_key + (position_band(seq),), ((), ()))
+        band_acc, band_judged = self.pooled.get(
+            dom_key + (position_band(seq.num_output_tokens),), ((), ())) \
+            if MAX_POSITION_BAND else ((), ())
         own_acc, own_judged = seq.spec.source_depth.get(source, ((), ()))
         # (unrolled: this runs for every row at every weighing; 6 against 8 us a row)
         n_src, n_dom, n_band, n_own = len(src_judged), len(dom_judged), len(band_judged), \
@@ -660,10 +681,8 @@ class SpecPolicy:
         marginal = {src: [m * self.draft_scale(src) for m in costs.draft_marginal_list(
             src, len(rows))] for src, is_model in sources if is_model}
         level: dict[tuple[str, int], int] = {}
-        # the target's time at this batch size for q = 1 .. k+1 tokens a row, interpolated
-        # in q as StepCosts.target_tokens_s does
-        t = costs._target_at(num_rows)
-        q_max = len(t) - 1
+        windows = costs.windows_s(num_rows)     # the target's time for n slots
+        most = len(windows) - 1
         best_rate, best, kept, drafts = -1.0, 0, 0.0, 0.0
         best_tokens = best_s = 0.0
         for n, j in enumerate(order, 1):
@@ -673,9 +692,7 @@ class SpecPolicy:
                 c = level.get((src, depth[j]), 0)
                 level[(src, depth[j])] = c + 1
                 drafts += marginal[src][c]
-            q = min((num_rows + n) / num_rows, float(q_max))
-            lo = int(q)
-            sec = t[lo] + (q - lo) * (t[min(lo + 1, q_max)] - t[lo]) + drafts
+            sec = windows[min(n, most)] + drafts
             tokens = num_rows + kept
             rate = tokens / max(sec + extra_s, 1e-12)
             if rate > best_rate:
