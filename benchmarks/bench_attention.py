@@ -4,9 +4,10 @@ take turns `--repeats` times within each shape, in one process; the fastest of e
 reported.
 
 --compare attention (default): attention of short rows through the C++ paged kernel
-(kernels/paged_attention_cpu.cpp) by its default paths (AMX tiles for bf16 where the CPU has
-AMX; AVX-512 for the rest, else AVX2), by AVX-512 alone and AVX2 alone where the CPU has them,
-by its portable path, and through gather + SDPA (grouped matmuls in bf16).
+(kernels/paged_attention_cpu.cpp) by its default paths (bf16: AMX tiles where the CPU has
+AMX, else pair products where it has AVX512-BF16; AVX-512 for the rest, else AVX2), by pair
+products (bf16), AVX-512 alone and AVX2 alone where the CPU has them, by its portable path,
+and through gather + SDPA (grouped matmuls in bf16).
 --compare linear: the linear layers as the C++ op (kernels/linear_cpu.cpp: bf16 on AMX tiles
 or AVX512-BF16, fp32 on AVX2, with a bf16 checkpoint's weights stored in bf16 and, beside it,
 in fp32) against oneDNN on prepacked weights (BATCHSPEC_CPU_LINEAR=onednn).
@@ -39,13 +40,13 @@ from batchspec.spec._build import load  # noqa: E402
 
 
 def attention_paths(runner):
-    """The kernel by its default path (AMX tiles for bf16 where the CPU has them, else
-    AVX-512, else AVX2), by each explicit path this CPU has, by its portable path, and
-    gather + SDPA."""
+    """The kernel by its default path (bf16: AMX tiles where the CPU has them, else pair
+    products where it has AVX512-BF16; else AVX-512, else AVX2), by each explicit path this
+    CPU has, by its portable path, and gather + SDPA."""
     from batchspec.config import cpu_matmul_isa
     kernel = load(False).paged_decode_attention
     switches = ("BATCHSPEC_CPU_ATTENTION_PORTABLE", "BATCHSPEC_CPU_ATTENTION_AMX",
-                "BATCHSPEC_CPU_ATTENTION_AVX2")
+                "BATCHSPEC_CPU_ATTENTION_AVX2", "BATCHSPEC_CPU_ATTENTION_DPBF16")
 
     def use(op, **env):
         def setup():
@@ -56,8 +57,10 @@ def attention_paths(runner):
         return setup
     isa = cpu_matmul_isa()
     paths = {"kernel (default path)": use(kernel)}
+    if isa in ("amx", "avx512_bf16") and runner.model.dtype == torch.bfloat16:
+        paths["pair-product kernel"] = use(kernel, amx="0")
     if isa in ("amx", "avx512_bf16", "avx512"):
-        paths["AVX-512 kernel"] = use(kernel, amx="0")
+        paths["AVX-512 kernel"] = use(kernel, amx="0", dpbf16="0")
     if isa != "other":
         paths["AVX2 kernel"] = use(kernel, avx2="1")
     return {**paths, "portable kernel": use(kernel, portable="1"),

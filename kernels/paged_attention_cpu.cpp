@@ -201,6 +201,27 @@ BS_AVX512 __m512 transpose_sum16(const __m512* a) {
                        _mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// A chunk's scores (ng vectors of KEYS keys, lanes `live`; `top` their max with the running
+// max mx) folded into a query's running softmax: the weights exp(score - new max) to w (0
+// in lanes not live), the max and the total updated. Returns the factor the query's value
+// sums so far are to be scaled by.
+BS_AVX512 float fold_scores(const __m512* sc, const __mmask16* live, int64_t ng, __m512 top,
+                            float& mx, float& sum, float* w) {
+  const float m = _mm512_reduce_max_ps(top);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    const __m512 e = _mm512_maskz_mov_ps(live[gi], exp16(_mm512_sub_ps(sc[gi], vm)));
+    total = _mm512_add_ps(total, e);
+    _mm512_storeu_ps(w + gi * KEYS, e);
+  }
+  const float rescale =
+      mx == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(mx - m);
+  sum = sum * rescale + _mm512_reduce_add_ps(total);
+  mx = m;
+  return rescale;
+}
+
 // One (row, KV head) task; NV = D / 16 vectors per head row.
 template <typename T, int NV>
 __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
@@ -266,18 +287,7 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
         sc[gi] = transpose_sum16(part);
         top = _mm512_mask_max_ps(top, live[gi], top, sc[gi]);
       }
-      const float m = _mm512_reduce_max_ps(top);
-      const __m512 vm = _mm512_set1_ps(m);
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t gi = 0; gi < ng; ++gi) {
-        const __m512 e = _mm512_maskz_mov_ps(live[gi], exp16(_mm512_sub_ps(sc[gi], vm)));
-        total = _mm512_add_ps(total, e);
-        _mm512_store_ps(w + gi * KEYS, e);
-      }
-      const float rescale = mx[i] == -std::numeric_limits<float>::infinity()
-                                ? 0.f : exp_nonpositive(mx[i] - m);
-      sum[i] = sum[i] * rescale + _mm512_reduce_add_ps(total);
-      mx[i] = m;
+      const float rescale = fold_scores(sc, live, ng, top, mx[i], sum[i], w);
       float* a = acc.data() + i * D;
       __m512 av[NV];
       const __m512 vr = _mm512_set1_ps(rescale);
@@ -291,6 +301,165 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
     }
   }
   write_task<T>(out, acc, sum, t0, nq, G, Hq, kvh, D);
+}
+
+// bf16 on CPUs with AVX512-BF16 and no AMX tiles (AMD Zen 4 and later, Intel Cooper Lake):
+// the AVX-512 path's order of work without its fp32 copies of keys and values. A key's
+// scores are pair products (VDPBF16PS) of the query's bf16 row and the key's, read where
+// they lie in the cache: two products add into each of 16 lanes (exact products, fp32 sums),
+// and the AVX-512 path's transpose-and-add tree folds 16 keys' lanes into a vector of
+// scores, scaled in fp32. The softmax is the AVX-512 path's. The value sums run for up to
+// QG queries at a time (dp_group): each value row is widened to fp32 once for them, and
+// their sums stay in registers over a chunk. Why: the AVX-512 path writes each key and
+// value row of a chunk to fp32 buffers (8 vector stores a key at 64 dimensions), which with
+// its scores' fp32 products made a decode step's attention at 32 rows 2.0 of the demo
+// target's 4.7 ms forward on an AVX512-BF16 CPU; this path takes 1.5 (docs/benchmarks.md).
+// A query's scores, softmax and sums depend only on its own row and the keys it sees, in
+// an order fixed from key 0 (chunks of CHUNK, groups of KEYS): a key beyond what a query
+// sees, in a value sum run for its group, adds 0 x its value, which leaves the sum as it
+// is. So a query gets the same result in a window, in any group, and decoded alone.
+#define BS_ATTN_DP __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
+
+// queries whose value sums (QG x NV vectors of 16) are held in registers at once
+template <int NV>
+constexpr int dp_group() { return NV <= 4 ? 6 : 2; }
+
+// Ask for the key and value rows of keys [p0, p0 + CHUNK) of a task (its head's rows, each
+// D bf16), so that they arrive while the keys before them are worked on: a decode step's
+// keys and values at 32 rows and more come from memory (a layer's at 32 rows of 150 keys
+// took 2.3x as long read cold as read again at once), and where the next ones lie is known
+// from the block table. Asked for a chunk ahead, and the next task's first chunk before a
+// task runs (attend).
+template <int NV>
+BS_ATTN_DP void dp_prefetch(const uint16_t* kc, const uint16_t* vc, const int64_t* table,
+                            int64_t p0, int64_t nkv, int64_t kvh, int64_t Hkv,
+                            int64_t block_size) {
+  constexpr int64_t D = NV * 16;
+  const int64_t pn = std::min(CHUNK, nkv - p0);
+  if (pn <= 0) return;
+  SlotWalk walk(table, p0, block_size);
+  for (int64_t c = 0; c < pn; ++c) {
+    const int64_t at = (walk.next(c + 1 < pn) * Hkv + kvh) * D;
+    for (int64_t b = 0; b < D * 2; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kc + at) + b, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + at) + b, _MM_HINT_T1);
+    }
+  }
+}
+
+// value sums of QN queries over keys [0, upto) of a chunk: a[r] += w[r][c] x V[c], in order
+template <int NV, int QN>
+BS_ATTN_DP void dp_values(const uint16_t* const* vp, int64_t upto, const float* w,
+                          float* const* a, const float* rescale) {
+  __m512 s[QN][NV];
+  _Pragma("GCC unroll 8") for (int r = 0; r < QN; ++r) {
+    const __m512 rs = _mm512_set1_ps(rescale[r]);
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v)
+      s[r][v] = _mm512_mul_ps(_mm512_loadu_ps(a[r] + v * 16), rs);
+  }
+  for (int64_t c = 0; c < upto; ++c) {
+    __m512 vv[NV];
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) vv[v] = load16(vp[c] + v * 16);
+    _Pragma("GCC unroll 8") for (int r = 0; r < QN; ++r) {
+      const __m512 wc = _mm512_set1_ps(w[r * CHUNK + c]);
+      _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v)
+        s[r][v] = _mm512_fmadd_ps(wc, vv[v], s[r][v]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < QN; ++r)
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a[r] + v * 16, s[r][v]);
+}
+
+// One (row, KV head) task of bf16 queries and caches; NV = D / 16 (D a multiple of 32).
+template <int NV>
+BS_ATTN_DP void attend_task_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                               uint16_t* out, const int64_t* table, int64_t t0, int64_t nq,
+                               int64_t nkv, int64_t kvh, int64_t Hq, int64_t Hkv,
+                               int64_t block_size, float scale, std::vector<float>& qf,
+                               std::vector<float>& acc, std::vector<float>& mx,
+                               std::vector<float>& sum, std::vector<float>& wf,
+                               std::vector<float>&) {
+  constexpr int64_t D = NV * 16;
+  constexpr int NB = NV / 2;   // vectors of 32 bf16 (16 pairs) per head row
+  constexpr int QG = dp_group<NV>();
+  const int64_t G = Hq / Hkv;
+  const int64_t n = nq * G;    // query vectors, (j, g) order
+  start_task(qf, acc, mx, sum, n, D);   // (qf unused: the queries are read as they lie)
+  wf.resize(QG * CHUNK);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const uint16_t* kp[CHUNK];
+  const uint16_t* vp[CHUNK];
+  for (int64_t p0 = 0; p0 < nkv; p0 += CHUNK) {
+    const int64_t pn = std::min(CHUNK, nkv - p0);
+    SlotWalk walk(table, p0, block_size);
+    for (int64_t c = 0; c < pn; ++c) {
+      const int64_t slot = walk.next(c + 1 < pn);
+      kp[c] = kc + (slot * Hkv + kvh) * D;
+      vp[c] = vc + (slot * Hkv + kvh) * D;
+    }
+    for (int64_t c = pn; c < CHUNK; ++c) kp[c] = kp[pn - 1];   // read, never counted
+    dp_prefetch<NV>(kc, vc, table, p0 + CHUNK, nkv, kvh, Hkv, block_size);
+    for (int64_t i0 = 0; i0 < n; i0 += QG) {
+      const int qn = static_cast<int>(std::min<int64_t>(QG, n - i0));
+      float rescale[QG];
+      float* a[QG];
+      int64_t upto = 0;   // keys of the chunk any of the group's queries sees
+      for (int r = 0; r < qn; ++r) {
+        const int64_t i = i0 + r;
+        a[r] = acc.data() + i * D;
+        float* w = wf.data() + r * CHUNK;
+        rescale[r] = 1.f;
+        // causal: query j sees keys 0 .. nkv - nq + j
+        const int64_t seen = std::min(pn, nkv - nq + i / G + 1 - p0);
+        if (seen <= 0) {
+          std::fill(w, w + CHUNK, 0.f);
+          continue;
+        }
+        upto = std::max(upto, seen);
+        const uint16_t* src = q + ((t0 + i / G) * Hq + kvh * G + i % G) * D;
+        __m512bh qv[NB];
+        _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b)
+          qv[b] = (__m512bh)_mm512_loadu_si512(src + b * 32);
+        __m512 sc[CHUNK / KEYS];
+        __mmask16 live[CHUNK / KEYS];
+        __m512 top = _mm512_set1_ps(mx[i]);
+        const int64_t ng = (seen + KEYS - 1) / KEYS;
+        for (int64_t gi = 0; gi < ng; ++gi) {
+          __m512 part[KEYS];
+          _Pragma("GCC unroll 16") for (int c = 0; c < KEYS; ++c) {
+            const uint16_t* k = kp[gi * KEYS + c];
+            __m512 s = _mm512_setzero_ps();
+            _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b)
+              s = _mm512_dpbf16_ps(s, qv[b], (__m512bh)_mm512_loadu_si512(k + b * 32));
+            part[c] = s;
+          }
+          const int64_t left = std::min<int64_t>(KEYS, seen - gi * KEYS);
+          live[gi] = static_cast<__mmask16>((1u << left) - 1u);
+          sc[gi] = _mm512_mul_ps(transpose_sum16(part), vscale);
+          top = _mm512_mask_max_ps(top, live[gi], top, sc[gi]);
+        }
+        rescale[r] = fold_scores(sc, live, ng, top, mx[i], sum[i], w);
+        std::fill(w + ng * KEYS, w + CHUNK, 0.f);
+      }
+      if (upto == 0) continue;
+      const float* w = wf.data();
+      switch (qn) {
+        case 1: dp_values<NV, 1>(vp, upto, w, a, rescale); break;
+        case 2: dp_values<NV, 2>(vp, upto, w, a, rescale); break;
+        case 3: if constexpr (QG >= 3) dp_values<NV, 3>(vp, upto, w, a, rescale); break;
+        case 4: if constexpr (QG >= 4) dp_values<NV, 4>(vp, upto, w, a, rescale); break;
+        case 5: if constexpr (QG >= 5) dp_values<NV, 5>(vp, upto, w, a, rescale); break;
+        default: if constexpr (QG >= 6) dp_values<NV, 6>(vp, upto, w, a, rescale); break;
+      }
+    }
+  }
+  write_task<uint16_t>(out, acc, sum, t0, nq, G, Hq, kvh, D);
+}
+
+// BATCHSPEC_CPU_ATTENTION_DPBF16=0 turns the path off (read on every call)
+bool dp_usable() {
+  const char* env = std::getenv("BATCHSPEC_CPU_ATTENTION_DPBF16");
+  return bs::avx512_bf16_usable() && (env == nullptr || std::strcmp(env, "0") != 0);
 }
 
 // The AVX2 path (CPUs with AVX2 and FMA but no AVX-512): the AVX-512 path's order of work, 8
@@ -635,11 +804,23 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
                           std::vector<float>&, std::vector<float>&, std::vector<float>&,
                           std::vector<float>&, std::vector<float>&, std::vector<float>&);
     Task task = nullptr;
+    // the first keys of the next task, asked for before a task runs (dp path)
+    void (*ahead)(const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t, int64_t,
+                  int64_t, int64_t) = nullptr;
     if (avx512_usable()) {
-      if (D == 16) task = &attend_task_avx512<Raw, 1>;
-      if (D == 32) task = &attend_task_avx512<Raw, 2>;
-      if (D == 64) task = &attend_task_avx512<Raw, 4>;
-      if (D == 128) task = &attend_task_avx512<Raw, 8>;
+      if constexpr (std::is_same_v<Raw, uint16_t>) {
+        if (dp_usable()) {
+          if (D == 32) task = &attend_task_dp<2>, ahead = &dp_prefetch<2>;
+          if (D == 64) task = &attend_task_dp<4>, ahead = &dp_prefetch<4>;
+          if (D == 128) task = &attend_task_dp<8>, ahead = &dp_prefetch<8>;
+        }
+      }
+      if (task == nullptr) {
+        if (D == 16) task = &attend_task_avx512<Raw, 1>;
+        if (D == 32) task = &attend_task_avx512<Raw, 2>;
+        if (D == 64) task = &attend_task_avx512<Raw, 4>;
+        if (D == 128) task = &attend_task_avx512<Raw, 8>;
+      }
     } else if (avx2_usable()) {
       if (D == 16) task = &attend_task_avx2<Raw, 2>;
       if (D == 32) task = &attend_task_avx2<Raw, 4>;
@@ -678,6 +859,11 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
             continue;
           }
 #endif
+          if (ahead != nullptr && t + 1 < end) {
+            const int64_t r1 = (t + 1) / Hkv;
+            ahead(reinterpret_cast<const uint16_t*>(rk), reinterpret_cast<const uint16_t*>(rv),
+                  tables + r1 * width, 0, rows[3 * r1 + 2], (t + 1) % Hkv, Hkv, block_size);
+          }
           task(rq, rk, rv, ro, tables + r * width, rows[3 * r], rows[3 * r + 1],
                rows[3 * r + 2], kvh, Hq, Hkv, block_size, scale, qf, acc, mx, sum, kf, vf);
         }

@@ -410,16 +410,22 @@ def paged_attention_error(D, Hq, Hkv, block_size, dtype, seed=0):
 
 
 def use_attention_path(path, monkeypatch):
-    """The CPU kernel's path `path` (default, avx512, avx2 or portable) for this test; skips
-    a path this CPU lacks."""
+    """The CPU kernel's path `path` (default, dpbf16, avx512, avx2 or portable) for this test;
+    skips a path this CPU lacks. dpbf16 (pair products, AVX512-BF16) takes bf16 heads of 32,
+    64 and 128 dimensions, and the AVX-512 path the rest."""
     from batchspec.config import cpu_matmul_isa
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
     isa = cpu_matmul_isa()
+    if path == "dpbf16":
+        if isa not in ("amx", "avx512_bf16"):
+            pytest.skip("no AVX512-BF16 on this CPU")
+        monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AMX", "0")
     if path == "avx512":
         if isa not in ("amx", "avx512_bf16", "avx512"):
             pytest.skip("no AVX-512 on this CPU")
         monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AMX", "0")
+        monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_DPBF16", "0")
     if path == "avx2":
         if isa == "other":
             pytest.skip("no AVX2 on this CPU")
@@ -428,13 +434,14 @@ def use_attention_path(path, monkeypatch):
         monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_PORTABLE", "1")
 
 
-@pytest.mark.parametrize("path", ["default", "avx512", "avx2", "portable"])
+@pytest.mark.parametrize("path", ["default", "dpbf16", "avx512", "avx2", "portable"])
 def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
     """Every path of the CPU kernel against attention computed directly, for head sizes
     16-128, GQA groups 1-4, block sizes that do and do not divide the kernel's chunks, fp32
     and bf16, rows of 1-6 tokens: by default AMX tiles for bf16 where the machine has AMX
-    (head sizes 32-128), AVX-512 for the rest where it has that, else AVX2; AVX-512 alone;
-    AVX2 alone; the portable C++ one."""
+    (head sizes 32-128), else pair products (AVX512-BF16) for them, AVX-512 for the rest
+    where it has that, else AVX2; pair products; AVX-512 alone; AVX2 alone; the portable C++
+    one."""
     use_attention_path(path, monkeypatch)
     for D in (16, 32, 64, 128):
         for Hq, Hkv in ((4, 2), (8, 2), (3, 3)):
@@ -466,18 +473,19 @@ def test_cpu_cache_writes_are_index_copy():
             op(caches[0], caches[1], k, v, torch.tensor([5, 0, 32, 12, 13, 14, 2]))
 
 
-@pytest.mark.parametrize("path", ["default", "avx512", "avx2", "portable"])
+@pytest.mark.parametrize("path", ["default", "dpbf16", "avx512", "avx2", "portable"])
 def test_a_query_attends_alike_in_a_window_and_decoded_alone(path, monkeypatch):
-    """Each query of a verification window gets, bit for bit, the attention it gets as a
-    decode step of its own (same keys, same cache), in bf16 and fp32, beside other rows: what
+    """Each query of a verification window (5 and 13 tokens) gets, bit for bit, the
+    attention it gets as a decode step of its own (same keys, same cache), in bf16 and fp32,
+    beside other rows, whichever of its task's queries the kernel works on together: what
     lets a speculative run's greedy tokens be plain decoding's in bf16 too."""
     from batchspec.spec._build import load
     use_attention_path(path, monkeypatch)
     op = load(False).paged_decode_attention
     g = torch.Generator().manual_seed(0)
     for D, Hq, Hkv in ((64, 4, 2), (128, 8, 2), (32, 3, 3)):
-        for dt in (torch.bfloat16, torch.float32):
-            bs, W, n = 16, 5, 150
+        for dt, W in ((torch.bfloat16, 5), (torch.float32, 5), (torch.bfloat16, 13)):
+            bs, n = 16, 150
             q, kc, vc, tables, rows = paged_rows(D, Hq, Hkv, bs, dt, [W, 3], [n, 70], g)
             window = torch.zeros_like(q)
             op(q, kc, vc, torch.tensor(tables), rows, D ** -0.5, bs, window)
@@ -488,19 +496,22 @@ def test_a_query_attends_alike_in_a_window_and_decoded_alone(path, monkeypatch):
             assert torch.equal(window[:W], alone), (path, D, Hq, Hkv, dt)
 
 
-def test_amx_attention_agrees_with_the_avx512_path(monkeypatch):
-    """On a CPU with AMX, bf16 attention takes the tile path: it must agree with the AVX-512
-    path up to the order of sums (fewer than 1% of outputs differ, none by a bf16
-    step of its head's largest value), not merely sit within tolerance of fp32 attention.
-    Its weights rounded to bf16 once, as GPU flash kernels round them, differ in over a
-    quarter of the outputs, and greedy tokens of windows then disagree with decodes' several
-    times as often (docs/benchmarks.md)."""
+@pytest.mark.parametrize("path", ["amx", "dpbf16"])
+def test_bf16_attention_paths_agree_with_the_avx512_path(path, monkeypatch):
+    """bf16 attention takes the tile path on a CPU with AMX, and pair products on one with
+    AVX512-BF16 only: each must agree with the AVX-512 path up to the order of sums (fewer
+    than 1% of outputs differ, none by a bf16 step of its head's largest value), not merely
+    sit within tolerance of fp32 attention. Weights rounded to bf16 once, as GPU flash
+    kernels round them, differ in over a quarter of the outputs, and greedy tokens of windows
+    then disagree with decodes' several times as often (docs/benchmarks.md)."""
     from batchspec.spec._build import load
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
     from batchspec.config import cpu_matmul_isa
-    if cpu_matmul_isa() != "amx":
+    if path == "amx" and cpu_matmul_isa() != "amx":
         pytest.skip("no AMX on this CPU")
+    if path == "dpbf16" and cpu_matmul_isa() not in ("amx", "avx512_bf16"):
+        pytest.skip("no AVX512-BF16 on this CPU")
     op = load(False).paged_decode_attention
     g = torch.Generator().manual_seed(0)
     for D, Hq, Hkv in ((64, 4, 2), (128, 8, 2), (32, 3, 3)):
@@ -508,15 +519,16 @@ def test_amx_attention_agrees_with_the_avx512_path(monkeypatch):
         q, kc, vc, tables, rows = paged_rows(D, Hq, Hkv, bs, torch.bfloat16, [3, 5, 6, 4, 5],
                                              [40, 100, 200, 700, 65], g, q_scale=2.0)
         outs = []
-        for amx in ("1", "0"):
-            monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AMX", amx)
+        for on in ("1", "0"):
+            monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_AMX", on if path == "amx" else "0")
+            monkeypatch.setenv("BATCHSPEC_CPU_ATTENTION_DPBF16", on if path == "dpbf16" else "0")
             out = torch.zeros_like(q)
             op(q, kc, vc, torch.tensor(tables), rows, D ** -0.5, bs, out)
             outs.append(out.float())
-        tiles, avx = outs
-        assert (tiles != avx).float().mean().item() < 0.01, (D, Hq, Hkv)
-        head_max = torch.maximum(tiles.abs().amax(-1), avx.abs().amax(-1))
-        assert ((tiles - avx).abs().amax(-1) < head_max * 2 ** -8).all(), (D, Hq, Hkv)
+        other, avx = outs
+        assert (other != avx).float().mean().item() < 0.01, (D, Hq, Hkv)
+        head_max = torch.maximum(other.abs().amax(-1), avx.abs().amax(-1))
+        assert ((other - avx).abs().amax(-1) < head_max * 2 ** -8).all(), (D, Hq, Hkv)
 
 
 @pytest.mark.parametrize("path", ["vector", "portable"])
