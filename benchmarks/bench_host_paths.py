@@ -6,14 +6,16 @@ against its generic loops and a scalar loop for the drafts' greedy tokens
 (BATCHSPEC_VERIFY_HOST_DRAW=0); --compare draft-head: the drafts' int8 output layer against
 their bf16 one (BATCHSPEC_CPU_DRAFT_HEAD=bf16); --compare draft-steps: a draft's steps in one
 C++ call against the step-by-step loop (BATCHSPEC_CPU_DRAFT_STEPS=python); --compare
-attention: the C++ attention kernel by its default path (AMX, AVX-512 or AVX2, as the CPU
-has them) against its portable one (BATCHSPEC_CPU_ATTENTION_PORTABLE=1); --compare linear:
+attention: the C++ attention kernel by its default path (AMX, pair products, AVX-512 or AVX2,
+as the CPU has them) against its portable one (BATCHSPEC_CPU_ATTENTION_PORTABLE=1); --compare
+dpbf16-attention: bf16 attention by pair products against the AVX-512 path
+(BATCHSPEC_CPU_ATTENTION_DPBF16=0; a CPU with AVX512-BF16 and no AMX); --compare linear:
 the linear layers' C++ op (AMX or AVX512-BF16 for bf16, AVX2 for fp32) against oneDNN's product
 (BATCHSPEC_CPU_LINEAR=onednn); --compare compact-weights: fp32 models' weights of bf16 values
 (bf16 checkpoints) stored in bf16 for the AVX2 op against stored in fp32
-(BATCHSPEC_CPU_LINEAR=avx2-fp32). The last three change plain decoding too: plain decoding with the
-path off runs beside the others (its own ratio to plain is what the path is worth to it), and
-`--method plain` measures plain decoding alone.
+(BATCHSPEC_CPU_LINEAR=avx2-fp32). The last four change plain decoding too: plain decoding with
+the path off runs beside the others (its own ratio to plain is what the path is worth to it),
+and `--method plain` measures plain decoding alone.
 
     python benchmarks/bench_host_paths.py --batch-size 32 --temperature 0 --method spec-domain
     python benchmarks/bench_host_paths.py --batch-size 1 --domain code --num-prompts 16 \
@@ -21,6 +23,8 @@ path off runs beside the others (its own ratio to plain is what the path is wort
     python benchmarks/bench_host_paths.py --batch-size 8 --temperature 0.8 \
         --compare draft-steps
     python benchmarks/bench_host_paths.py --batch-size 32 --method plain --compare attention
+    python benchmarks/bench_host_paths.py --batch-size 32 --method suffix \
+        --compare dpbf16-attention
     python benchmarks/bench_host_paths.py --batch-size 1 --domain code --num-prompts 16 \
         --compare linear
 """
@@ -53,7 +57,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--domain", default=None, help="prompts of one domain [code and docs]")
     ap.add_argument("--compare", choices=("host-paths", "draft-head", "draft-steps",
-                                          "attention", "linear", "compact-weights"),
+                                          "attention", "dpbf16-attention", "linear",
+                                          "compact-weights"),
                     default="host-paths")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -72,6 +77,9 @@ def main():
                             # None: the switch unset (the kernel reads whether it is set)
                             "attention": ("BATCHSPEC_CPU_ATTENTION_PORTABLE", None, "1",
                                           ("default attention", "portable attention")),
+                            "dpbf16-attention": ("BATCHSPEC_CPU_ATTENTION_DPBF16", None, "0",
+                                                 ("pair-product attention",
+                                                  "AVX-512 attention")),
                             "linear": ("BATCHSPEC_CPU_LINEAR", None, "onednn",
                                        ("C++ linears", "oneDNN linears")),
                             "compact-weights": ("BATCHSPEC_CPU_LINEAR", None, "avx2-fp32",
@@ -85,7 +93,8 @@ def main():
             os.environ[env] = value
     variants = {"plain": ("plain", on), f"{args.method} ({labels[0]})": (args.method, on),
                 f"{args.method} ({labels[1]})": (args.method, off)}
-    if args.compare in ("attention", "linear", "compact-weights") and args.method != "plain":
+    if args.compare in ("attention", "dpbf16-attention", "linear", "compact-weights") and \
+            args.method != "plain":
         variants[f"plain ({labels[1]})"] = ("plain", off)
     llms = {}
     for name, (method, value) in variants.items():    # (each switch is read at load)

@@ -326,8 +326,8 @@ constexpr int dp_group() { return NV <= 4 ? 6 : 2; }
 
 // Ask for the key and value rows of keys [p0, p0 + CHUNK) of a task (its head's rows, each
 // D bf16), so that they arrive while the keys before them are worked on: a decode step's
-// keys and values at 32 rows and more come from memory (a layer's at 32 rows of 150 keys
-// took 2.3x as long read cold as read again at once), and where the next ones lie is known
+// keys and values at 32 rows and more come from memory (at 32 rows of 150 keys the op took
+// about 2x as long as when run again at once), and where the next ones lie is known
 // from the block table. Asked for a chunk ahead, and the next task's first chunk before a
 // task runs (attend).
 template <int NV>
