@@ -162,8 +162,8 @@ inline void start_task(std::vector<float>& qf, std::vector<float>& acc, std::vec
 // A task's results: each query's value sums over its softmax total, to the model dtype (T:
 // float, or uint16_t holding bf16) at the query's place in out.
 template <typename T>
-void write_task(T* out, const std::vector<float>& acc, const std::vector<float>& sum,
-                int64_t t0, int64_t nq, int64_t G, int64_t Hq, int64_t kvh, int64_t D) {
+void write_task(T* out, const float* acc, const float* sum, int64_t t0, int64_t nq, int64_t G,
+                int64_t Hq, int64_t kvh, int64_t D) {
   for (int64_t j = 0; j < nq; ++j)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = j * G + g;
@@ -300,7 +300,7 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, av[v]);
     }
   }
-  write_task<T>(out, acc, sum, t0, nq, G, Hq, kvh, D);
+  write_task<T>(out, acc.data(), sum.data(), t0, nq, G, Hq, kvh, D);
 }
 
 // bf16 on CPUs with AVX512-BF16 and no AMX tiles (AMD Zen 4 and later, Intel Cooper Lake):
@@ -324,23 +324,18 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
 template <int NV>
 constexpr int dp_group() { return NV <= 4 ? 6 : 2; }
 
-// Ask for the key and value rows of keys [p0, p0 + CHUNK) of a task (its head's rows, each
-// D bf16), so that they arrive while the keys before them are worked on: a decode step's
-// keys and values at 32 rows and more come from memory (at 32 rows of 150 keys the op took
-// about 2x as long as when run again at once), and where the next ones lie is known
-// from the block table. Asked for a chunk ahead, and the next task's first chunk before a
-// task runs (attend).
-template <int NV>
+// Ask for the key and value rows of keys [p0, p0 + CHUNK) of a row, every KV head's (a
+// slot's keys, and its values, are Hkv * D bf16 side by side): the next row's first chunk,
+// before a row runs (attend). attend_row_dp asks for its next chunk likewise, a few slots
+// at a time.
 BS_ATTN_DP void dp_prefetch(const uint16_t* kc, const uint16_t* vc, const int64_t* table,
-                            int64_t p0, int64_t nkv, int64_t kvh, int64_t Hkv,
-                            int64_t block_size) {
-  constexpr int64_t D = NV * 16;
+                            int64_t p0, int64_t nkv, int64_t HD, int64_t block_size) {
   const int64_t pn = std::min(CHUNK, nkv - p0);
   if (pn <= 0) return;
   SlotWalk walk(table, p0, block_size);
   for (int64_t c = 0; c < pn; ++c) {
-    const int64_t at = (walk.next(c + 1 < pn) * Hkv + kvh) * D;
-    for (int64_t b = 0; b < D * 2; b += 64) {
+    const int64_t at = walk.next(c + 1 < pn) * HD;
+    for (int64_t b = 0; b < HD * 2; b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(kc + at) + b, _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(vc + at) + b, _MM_HINT_T1);
     }
@@ -370,90 +365,123 @@ BS_ATTN_DP void dp_values(const uint16_t* const* vp, int64_t upto, const float* 
     _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a[r] + v * 16, s[r][v]);
 }
 
-// One (row, KV head) task of bf16 queries and caches; NV = D / 16 (D a multiple of 32).
+// One row's task, every KV head of it, bf16 queries and caches; NV = D / 16 (D a multiple
+// of 32). A chunk's keys are walked once for all heads, each head taking the chunk in turn,
+// and with several KV heads the next chunk's slots are asked for (prefetched) a few at a
+// time while the first query's scores run. Why: a decode step's keys and values at 32 rows
+// and more come from memory, and a head's pass reads every other run of D bf16 of them, a
+// stride the hardware's prefetcher follows poorly. At 32 rows of 700 keys, over six
+// layers' caches (throwaway timings), a decode's attention took 1.46-1.51 ms a layer
+// asking for nothing, 1.05-1.51 (from build to build) asking for the whole next chunk at
+// once, 0.92-0.97 asking as here, and 1.55-1.69 on the AVX-512 path (a task per row and KV
+// head). With one KV head a
+// chunk's rows lie back to back and the hardware alone streams them (16.6 GB/s).
+// acc, mx, sum: Hkv * n query vectors' sums, maxima and totals (n = q_len x G a head).
 template <int NV>
-BS_ATTN_DP void attend_task_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                               uint16_t* out, const int64_t* table, int64_t t0, int64_t nq,
-                               int64_t nkv, int64_t kvh, int64_t Hq, int64_t Hkv,
-                               int64_t block_size, float scale, std::vector<float>& qf,
-                               std::vector<float>& acc, std::vector<float>& mx,
-                               std::vector<float>& sum, std::vector<float>& wf,
-                               std::vector<float>&) {
+BS_ATTN_DP void attend_row_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                              uint16_t* out, const int64_t* table, int64_t t0, int64_t nq,
+                              int64_t nkv, int64_t Hq, int64_t Hkv, int64_t block_size,
+                              float scale, std::vector<float>& acc, std::vector<float>& mx,
+                              std::vector<float>& sum, std::vector<float>& wf) {
   constexpr int64_t D = NV * 16;
   constexpr int NB = NV / 2;   // vectors of 32 bf16 (16 pairs) per head row
   constexpr int QG = dp_group<NV>();
   const int64_t G = Hq / Hkv;
-  const int64_t n = nq * G;    // query vectors, (j, g) order
-  start_task(qf, acc, mx, sum, n, D);   // (qf unused: the queries are read as they lie)
+  const int64_t n = nq * G;    // a head's query vectors, (j, g) order
+  acc.assign(Hkv * n * D, 0.f);
+  mx.assign(Hkv * n, -std::numeric_limits<float>::infinity());
+  sum.assign(Hkv * n, 0.f);
   wf.resize(QG * CHUNK);
   const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t slots[CHUNK], next[CHUNK];
   const uint16_t* kp[CHUNK];
   const uint16_t* vp[CHUNK];
   for (int64_t p0 = 0; p0 < nkv; p0 += CHUNK) {
     const int64_t pn = std::min(CHUNK, nkv - p0);
     SlotWalk walk(table, p0, block_size);
-    for (int64_t c = 0; c < pn; ++c) {
-      const int64_t slot = walk.next(c + 1 < pn);
-      kp[c] = kc + (slot * Hkv + kvh) * D;
-      vp[c] = vc + (slot * Hkv + kvh) * D;
+    for (int64_t c = 0; c < pn; ++c) slots[c] = walk.next(c + 1 < pn);
+    // the next chunk's slots, asked for a few at a time while the first query's scores run
+    int64_t npn = 0, asked = 0;
+    if (Hkv > 1 && p0 + CHUNK < nkv) {
+      npn = std::min(CHUNK, nkv - p0 - CHUNK);
+      SlotWalk ahead(table, p0 + CHUNK, block_size);
+      for (int64_t c = 0; c < npn; ++c) next[c] = ahead.next(c + 1 < npn);
     }
-    for (int64_t c = pn; c < CHUNK; ++c) kp[c] = kp[pn - 1];   // read, never counted
-    dp_prefetch<NV>(kc, vc, table, p0 + CHUNK, nkv, kvh, Hkv, block_size);
-    for (int64_t i0 = 0; i0 < n; i0 += QG) {
-      const int qn = static_cast<int>(std::min<int64_t>(QG, n - i0));
-      float rescale[QG];
-      float* a[QG];
-      int64_t upto = 0;   // keys of the chunk any of the group's queries sees
-      for (int r = 0; r < qn; ++r) {
-        const int64_t i = i0 + r;
-        a[r] = acc.data() + i * D;
-        float* w = wf.data() + r * CHUNK;
-        rescale[r] = 1.f;
-        // causal: query j sees keys 0 .. nkv - nq + j
-        const int64_t seen = std::min(pn, nkv - nq + i / G + 1 - p0);
-        if (seen <= 0) {
-          std::fill(w, w + CHUNK, 0.f);
-          continue;
+    const auto ask = [&](int64_t upto) {
+      for (; asked < upto; ++asked) {
+        const int64_t at = next[asked] * Hkv * D;
+        for (int64_t b = 0; b < Hkv * D * 2; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(kc + at) + b, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(vc + at) + b, _MM_HINT_T1);
         }
-        upto = std::max(upto, seen);
-        const uint16_t* src = q + ((t0 + i / G) * Hq + kvh * G + i % G) * D;
-        __m512bh qv[NB];
-        _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b)
-          qv[b] = (__m512bh)_mm512_loadu_si512(src + b * 32);
-        __m512 sc[CHUNK / KEYS];
-        __mmask16 live[CHUNK / KEYS];
-        __m512 top = _mm512_set1_ps(mx[i]);
-        const int64_t ng = (seen + KEYS - 1) / KEYS;
-        for (int64_t gi = 0; gi < ng; ++gi) {
-          __m512 part[KEYS];
-          _Pragma("GCC unroll 16") for (int c = 0; c < KEYS; ++c) {
-            const uint16_t* k = kp[gi * KEYS + c];
-            __m512 s = _mm512_setzero_ps();
-            _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b)
-              s = _mm512_dpbf16_ps(s, qv[b], (__m512bh)_mm512_loadu_si512(k + b * 32));
-            part[c] = s;
+      }
+    };
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      for (int64_t c = 0; c < pn; ++c) {
+        kp[c] = kc + (slots[c] * Hkv + kvh) * D;
+        vp[c] = vc + (slots[c] * Hkv + kvh) * D;
+      }
+      for (int64_t c = pn; c < CHUNK; ++c) kp[c] = kp[pn - 1];   // read, never counted
+      for (int64_t i0 = 0; i0 < n; i0 += QG) {
+        const int qn = static_cast<int>(std::min<int64_t>(QG, n - i0));
+        float rescale[QG];
+        float* a[QG];
+        int64_t upto = 0;   // keys of the chunk any of the group's queries sees
+        for (int r = 0; r < qn; ++r) {
+          const int64_t i = i0 + r, h = kvh * n + i;   // h: the query's place in the state
+          a[r] = acc.data() + h * D;
+          float* w = wf.data() + r * CHUNK;
+          rescale[r] = 1.f;
+          // causal: query j sees keys 0 .. nkv - nq + j
+          const int64_t seen = std::min(pn, nkv - nq + i / G + 1 - p0);
+          if (seen <= 0) {
+            std::fill(w, w + CHUNK, 0.f);
+            continue;
           }
-          const int64_t left = std::min<int64_t>(KEYS, seen - gi * KEYS);
-          live[gi] = static_cast<__mmask16>((1u << left) - 1u);
-          sc[gi] = _mm512_mul_ps(transpose_sum16(part), vscale);
-          top = _mm512_mask_max_ps(top, live[gi], top, sc[gi]);
+          upto = std::max(upto, seen);
+          const uint16_t* src = q + ((t0 + i / G) * Hq + kvh * G + i % G) * D;
+          __m512bh qv[NB];
+          _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b)
+            qv[b] = (__m512bh)_mm512_loadu_si512(src + b * 32);
+          __m512 sc[CHUNK / KEYS];
+          __mmask16 live[CHUNK / KEYS];
+          __m512 top = _mm512_set1_ps(mx[h]);
+          const int64_t ng = (seen + KEYS - 1) / KEYS;
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            __m512 part[KEYS];
+            _Pragma("GCC unroll 16") for (int c = 0; c < KEYS; ++c) {
+              const uint16_t* k = kp[gi * KEYS + c];
+              __m512 s = _mm512_setzero_ps();
+              _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b)
+                s = _mm512_dpbf16_ps(s, qv[b], (__m512bh)_mm512_loadu_si512(k + b * 32));
+              part[c] = s;
+            }
+            const int64_t left = std::min<int64_t>(KEYS, seen - gi * KEYS);
+            live[gi] = static_cast<__mmask16>((1u << left) - 1u);
+            sc[gi] = _mm512_mul_ps(transpose_sum16(part), vscale);
+            top = _mm512_mask_max_ps(top, live[gi], top, sc[gi]);
+            if (h == 0) ask((gi + 1) * npn / ng);
+          }
+          rescale[r] = fold_scores(sc, live, ng, top, mx[h], sum[h], w);
+          std::fill(w + ng * KEYS, w + CHUNK, 0.f);
         }
-        rescale[r] = fold_scores(sc, live, ng, top, mx[i], sum[i], w);
-        std::fill(w + ng * KEYS, w + CHUNK, 0.f);
+        if (upto == 0) continue;
+        const float* w = wf.data();
+        switch (qn) {
+          case 1: dp_values<NV, 1>(vp, upto, w, a, rescale); break;
+          case 2: dp_values<NV, 2>(vp, upto, w, a, rescale); break;
+          case 3: if constexpr (QG >= 3) dp_values<NV, 3>(vp, upto, w, a, rescale); break;
+          case 4: if constexpr (QG >= 4) dp_values<NV, 4>(vp, upto, w, a, rescale); break;
+          case 5: if constexpr (QG >= 5) dp_values<NV, 5>(vp, upto, w, a, rescale); break;
+          default: if constexpr (QG >= 6) dp_values<NV, 6>(vp, upto, w, a, rescale); break;
+        }
       }
-      if (upto == 0) continue;
-      const float* w = wf.data();
-      switch (qn) {
-        case 1: dp_values<NV, 1>(vp, upto, w, a, rescale); break;
-        case 2: dp_values<NV, 2>(vp, upto, w, a, rescale); break;
-        case 3: if constexpr (QG >= 3) dp_values<NV, 3>(vp, upto, w, a, rescale); break;
-        case 4: if constexpr (QG >= 4) dp_values<NV, 4>(vp, upto, w, a, rescale); break;
-        case 5: if constexpr (QG >= 5) dp_values<NV, 5>(vp, upto, w, a, rescale); break;
-        default: if constexpr (QG >= 6) dp_values<NV, 6>(vp, upto, w, a, rescale); break;
-      }
+      ask(npn);
     }
   }
-  write_task<uint16_t>(out, acc, sum, t0, nq, G, Hq, kvh, D);
+  for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+    write_task<uint16_t>(out, acc.data() + kvh * n * D, sum.data() + kvh * n, t0, nq, G, Hq,
+                         kvh, D);
 }
 
 // BATCHSPEC_CPU_ATTENTION_DPBF16=0 turns the path off (read on every call)
@@ -579,7 +607,7 @@ __attribute__((target("avx2,fma"))) void attend_task_avx2(
       }
     }
   }
-  write_task<T>(out, acc, sum, t0, nq, G, Hq, kvh, D);
+  write_task<T>(out, acc.data(), sum.data(), t0, nq, G, Hq, kvh, D);
 }
 
 // BATCHSPEC_CPU_ATTENTION_PORTABLE=1 takes the portable path, BATCHSPEC_CPU_ATTENTION_AVX2=1
@@ -792,6 +820,17 @@ BS_AMX void attend_task_amx(const uint16_t* q, const uint16_t* kc, const uint16_
 BS_AMX void amx_release() { _tile_release(); }
 #endif
 
+#if defined(BS_HAVE_AVX512_PATH)
+// Whether bf16 tasks take the tile path here (AMX present, permitted and not turned off)
+bool amx_takes_bf16() {
+#ifdef BS_HAVE_AMX_PATH
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+#endif
+
 template <typename T>
 void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
             int64_t width, const int64_t* rows, int64_t R, int64_t Hq, int64_t Hkv, int64_t D,
@@ -804,23 +843,40 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
                           std::vector<float>&, std::vector<float>&, std::vector<float>&,
                           std::vector<float>&, std::vector<float>&, std::vector<float>&);
     Task task = nullptr;
-    // the first keys of the next task, asked for before a task runs (dp path)
-    void (*ahead)(const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t, int64_t,
-                  int64_t, int64_t) = nullptr;
+    if constexpr (std::is_same_v<Raw, uint16_t>) {   // bf16: pair products, a task a row
+      using Row = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
+                           const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, float, std::vector<float>&, std::vector<float>&,
+                           std::vector<float>&, std::vector<float>&);
+      Row row = nullptr;
+      if (avx512_usable() && dp_usable() && !amx_takes_bf16()) {
+        if (D == 32) row = &attend_row_dp<2>;
+        if (D == 64) row = &attend_row_dp<4>;
+        if (D == 128) row = &attend_row_dp<8>;
+      }
+      if (row != nullptr) {
+        const auto* rq = reinterpret_cast<const uint16_t*>(q);
+        const auto* rk = reinterpret_cast<const uint16_t*>(kc);
+        const auto* rv = reinterpret_cast<const uint16_t*>(vc);
+        auto* ro = reinterpret_cast<uint16_t*>(out);
+        at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> acc, mx, sum, wf;
+          for (int64_t r = begin; r < end; ++r) {
+            if (r + 1 < end && Hkv > 1)   // the next row's first keys (dp_prefetch)
+              dp_prefetch(rk, rv, tables + (r + 1) * width, 0, rows[3 * (r + 1) + 2],
+                          Hkv * D, block_size);
+            row(rq, rk, rv, ro, tables + r * width, rows[3 * r], rows[3 * r + 1],
+                rows[3 * r + 2], Hq, Hkv, block_size, scale, acc, mx, sum, wf);
+          }
+        });
+        return;
+      }
+    }
     if (avx512_usable()) {
-      if constexpr (std::is_same_v<Raw, uint16_t>) {
-        if (dp_usable()) {
-          if (D == 32) task = &attend_task_dp<2>, ahead = &dp_prefetch<2>;
-          if (D == 64) task = &attend_task_dp<4>, ahead = &dp_prefetch<4>;
-          if (D == 128) task = &attend_task_dp<8>, ahead = &dp_prefetch<8>;
-        }
-      }
-      if (task == nullptr) {
-        if (D == 16) task = &attend_task_avx512<Raw, 1>;
-        if (D == 32) task = &attend_task_avx512<Raw, 2>;
-        if (D == 64) task = &attend_task_avx512<Raw, 4>;
-        if (D == 128) task = &attend_task_avx512<Raw, 8>;
-      }
+      if (D == 16) task = &attend_task_avx512<Raw, 1>;
+      if (D == 32) task = &attend_task_avx512<Raw, 2>;
+      if (D == 64) task = &attend_task_avx512<Raw, 4>;
+      if (D == 128) task = &attend_task_avx512<Raw, 8>;
     } else if (avx2_usable()) {
       if (D == 16) task = &attend_task_avx2<Raw, 2>;
       if (D == 32) task = &attend_task_avx2<Raw, 4>;
@@ -859,11 +915,6 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
             continue;
           }
 #endif
-          if (ahead != nullptr && t + 1 < end) {
-            const int64_t r1 = (t + 1) / Hkv;
-            ahead(reinterpret_cast<const uint16_t*>(rk), reinterpret_cast<const uint16_t*>(rv),
-                  tables + r1 * width, 0, rows[3 * r1 + 2], (t + 1) % Hkv, Hkv, block_size);
-          }
           task(rq, rk, rv, ro, tables + r * width, rows[3 * r], rows[3 * r + 1],
                rows[3 * r + 2], kvh, Hq, Hkv, block_size, scale, qf, acc, mx, sum, kf, vf);
         }
