@@ -38,7 +38,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from batchspec.config import default_dtype  # noqa: E402
+from batchspec.config import cpu_matmul_isa, default_dtype  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
 from batchspec.tools import hfref  # noqa: E402
 from batchspec.tools.bench import METHODS, make_llm, run_engine  # noqa: E402
@@ -68,6 +68,13 @@ def main():
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
     dtype = default_dtype(models["target"], "cpu")
+    if args.compare == "dpbf16-attention" and not (
+            dtype == "bfloat16" and (cpu_matmul_isa() == "avx512_bf16" or (
+                cpu_matmul_isa() == "amx" and
+                os.environ.get("BATCHSPEC_CPU_ATTENTION_AMX") == "0"))):
+        sys.exit("--compare dpbf16-attention times bf16 attention by pair products, which "
+                 "runs on CPUs with AVX512-BF16 and no AMX (on an AMX CPU, set "
+                 f"BATCHSPEC_CPU_ATTENTION_AMX=0); this one is {cpu_matmul_isa()}, {dtype}")
     env, on, off, labels = {"host-paths": ("BATCHSPEC_VERIFY_HOST_DRAW", "1", "0",
                                            ("host paths", "generic loops")),
                             "draft-head": ("BATCHSPEC_CPU_DRAFT_HEAD", "int8", "bf16",

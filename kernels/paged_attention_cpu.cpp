@@ -6,7 +6,8 @@
 // the row's keys once, through its block table, with an online softmax in fp32. Causal: query
 // j of a row with kv_len keys (its new tokens included) sees positions 0 .. kv_len - q_len + j.
 // Paths: portable C++; AVX-512 and AVX2 (x86-64); AMX tiles for every bf16 task on CPUs that
-// have them.
+// have them, else pair products (AVX512-BF16) for bf16 heads of 32-128 dimensions, a task
+// per row.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -324,24 +325,6 @@ __attribute__((target("avx512f,avx512dq"))) void attend_task_avx512(
 template <int NV>
 constexpr int dp_group() { return NV <= 4 ? 6 : 2; }
 
-// Ask for the key and value rows of keys [p0, p0 + CHUNK) of a row, every KV head's (a
-// slot's keys, and its values, are Hkv * D bf16 side by side): the next row's first chunk,
-// before a row runs (attend). attend_row_dp asks for its next chunk likewise, a few slots
-// at a time.
-BS_ATTN_DP void dp_prefetch(const uint16_t* kc, const uint16_t* vc, const int64_t* table,
-                            int64_t p0, int64_t nkv, int64_t HD, int64_t block_size) {
-  const int64_t pn = std::min(CHUNK, nkv - p0);
-  if (pn <= 0) return;
-  SlotWalk walk(table, p0, block_size);
-  for (int64_t c = 0; c < pn; ++c) {
-    const int64_t at = walk.next(c + 1 < pn) * HD;
-    for (int64_t b = 0; b < HD * 2; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(kc + at) + b, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(vc + at) + b, _MM_HINT_T1);
-    }
-  }
-}
-
 // value sums of QN queries over keys [0, upto) of a chunk: a[r] += w[r][c] x V[c], in order
 template <int NV, int QN>
 BS_ATTN_DP void dp_values(const uint16_t* const* vp, int64_t upto, const float* w,
@@ -367,15 +350,17 @@ BS_ATTN_DP void dp_values(const uint16_t* const* vp, int64_t upto, const float* 
 
 // One row's task, every KV head of it, bf16 queries and caches; NV = D / 16 (D a multiple
 // of 32). A chunk's keys are walked once for all heads, each head taking the chunk in turn,
-// and with several KV heads the next chunk's slots are asked for (prefetched) a few at a
-// time while the first query's scores run. Why: a decode step's keys and values at 32 rows
-// and more come from memory, and a head's pass reads every other run of D bf16 of them, a
-// stride the hardware's prefetcher follows poorly. At 32 rows of 700 keys, over six
-// layers' caches (throwaway timings), a decode's attention took 1.46-1.51 ms a layer
-// asking for nothing, 1.05-1.51 (from build to build) asking for the whole next chunk at
-// once, 0.92-0.97 asking as here, and 1.55-1.69 on the AVX-512 path (a task per row and KV
-// head). With one KV head a
-// chunk's rows lie back to back and the hardware alone streams them (16.6 GB/s).
+// and with several KV heads the next chunk's slots (every head's keys and values, side by
+// side in a slot) are asked for (prefetched) a few at a time while the first query's
+// scores run. Why: a decode step's keys and values at 32 rows and more come from memory,
+// and a head's pass reads every other run of D bf16 of them, a stride the hardware's
+// prefetcher follows poorly. At 32 rows of 700 keys, over six layers' caches (throwaway
+// timings), a decode's attention took 1.46-1.51 ms a layer asking for nothing, 1.05-1.51
+// (from build to build) asking for the whole next chunk at once, 0.92-1.03 asking as here,
+// and 1.55-1.69 on the AVX-512 path (a task per row and KV head). Asking for the next
+// row's first chunk before a row, too, was within the noise (0.96-1.01 ms without it).
+// With one KV head a chunk's rows lie back to back and the hardware alone streams them
+// (16.6 GB/s).
 // acc, mx, sum: Hkv * n query vectors' sums, maxima and totals (n = q_len x G a head).
 template <int NV>
 BS_ATTN_DP void attend_row_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
@@ -864,9 +849,6 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
         at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
           std::vector<float> acc, mx, sum, wf;
           for (int64_t r = begin; r < end; ++r) {
-            if (r + 1 < end && Hkv > 1)   // the next row's first keys (dp_prefetch)
-              dp_prefetch(rk, rv, tables + (r + 1) * width, 0, rows[3 * (r + 1) + 2],
-                          Hkv * D, block_size);
             row(rq, rk, rv, ro, tables + r * width, rows[3 * r], rows[3 * r + 1],
                 rows[3 * r + 2], Hq, Hkv, block_size, scale, acc, mx, sum, wf);
           }
