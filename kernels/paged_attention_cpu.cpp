@@ -348,8 +348,8 @@ BS_ATTN_DP void dp_values(const uint16_t* const* vp, int64_t upto, const float* 
     _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a[r] + v * 16, s[r][v]);
 }
 
-// One row's task, every KV head of it, bf16 queries and caches; NV = D / 16 (D a multiple
-// of 32). A chunk's keys are walked once for all heads, each head taking the chunk in turn,
+// One row's task, its KV heads h0 .. h1 - 1, bf16 queries and caches; NV = D / 16 (D a
+// multiple of 32). A chunk's keys are walked once for all the task's heads, each head taking the chunk in turn,
 // and with several KV heads the next chunk's slots (every head's keys and values, side by
 // side in a slot) are asked for (prefetched) a few at a time while the first query's
 // scores run. Why: a decode step's keys and values at 32 rows and more come from memory,
@@ -360,22 +360,26 @@ BS_ATTN_DP void dp_values(const uint16_t* const* vp, int64_t upto, const float* 
 // and 1.55-1.69 on the AVX-512 path (a task per row and KV head). Asking for the next
 // row's first chunk before a row, too, was within the noise (0.96-1.01 ms without it).
 // With one KV head a chunk's rows lie back to back and the hardware alone streams them
-// (16.6 GB/s).
-// acc, mx, sum: Hkv * n query vectors' sums, maxima and totals (n = q_len x G a head).
+// (16.6 GB/s); a task of one head of several asks for nothing either.
+// A task takes every KV head of its row unless the rows are fewer than the threads
+// (attend). acc, mx, sum: (h1 - h0) * n query vectors' sums, maxima and totals
+// (n = q_len x G a head).
 template <int NV>
 BS_ATTN_DP void attend_row_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                               uint16_t* out, const int64_t* table, int64_t t0, int64_t nq,
-                              int64_t nkv, int64_t Hq, int64_t Hkv, int64_t block_size,
-                              float scale, std::vector<float>& acc, std::vector<float>& mx,
-                              std::vector<float>& sum, std::vector<float>& wf) {
+                              int64_t nkv, int64_t Hq, int64_t Hkv, int64_t h0, int64_t h1,
+                              int64_t block_size, float scale, std::vector<float>& acc,
+                              std::vector<float>& mx, std::vector<float>& sum,
+                              std::vector<float>& wf) {
   constexpr int64_t D = NV * 16;
   constexpr int NB = NV / 2;   // vectors of 32 bf16 (16 pairs) per head row
   constexpr int QG = dp_group<NV>();
   const int64_t G = Hq / Hkv;
   const int64_t n = nq * G;    // a head's query vectors, (j, g) order
-  acc.assign(Hkv * n * D, 0.f);
-  mx.assign(Hkv * n, -std::numeric_limits<float>::infinity());
-  sum.assign(Hkv * n, 0.f);
+  const int64_t nh = h1 - h0;
+  acc.assign(nh * n * D, 0.f);
+  mx.assign(nh * n, -std::numeric_limits<float>::infinity());
+  sum.assign(nh * n, 0.f);
   wf.resize(QG * CHUNK);
   const __m512 vscale = _mm512_set1_ps(scale);
   int64_t slots[CHUNK], next[CHUNK];
@@ -389,7 +393,7 @@ BS_ATTN_DP void attend_row_dp(const uint16_t* q, const uint16_t* kc, const uint1
     // (inline: the same requests through a call of a function with the path's target, which
     // a lambda cannot inline, took 1.31-1.40 ms a layer where these take 0.92-1.03)
     int64_t npn = 0, asked = 0;
-    if (Hkv > 1 && p0 + CHUNK < nkv) {
+    if (nh > 1 && p0 + CHUNK < nkv) {
       npn = std::min(CHUNK, nkv - p0 - CHUNK);
       SlotWalk ahead(table, p0 + CHUNK, block_size);
       for (int64_t c = 0; c < npn; ++c) next[c] = ahead.next(c + 1 < npn);
@@ -403,7 +407,7 @@ BS_ATTN_DP void attend_row_dp(const uint16_t* q, const uint16_t* kc, const uint1
         }
       }
     };
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+    for (int64_t kvh = h0; kvh < h1; ++kvh) {
       for (int64_t c = 0; c < pn; ++c) {
         kp[c] = kc + (slots[c] * Hkv + kvh) * D;
         vp[c] = vc + (slots[c] * Hkv + kvh) * D;
@@ -415,7 +419,7 @@ BS_ATTN_DP void attend_row_dp(const uint16_t* q, const uint16_t* kc, const uint1
         float* a[QG];
         int64_t upto = 0;   // keys of the chunk any of the group's queries sees
         for (int r = 0; r < qn; ++r) {
-          const int64_t i = i0 + r, h = kvh * n + i;   // h: the query's place in the state
+          const int64_t i = i0 + r, h = (kvh - h0) * n + i;   // the query's place in the state
           a[r] = acc.data() + h * D;
           float* w = wf.data() + r * CHUNK;
           rescale[r] = 1.f;
@@ -466,9 +470,9 @@ BS_ATTN_DP void attend_row_dp(const uint16_t* q, const uint16_t* kc, const uint1
       ask(npn);
     }
   }
-  for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-    write_task<uint16_t>(out, acc.data() + kvh * n * D, sum.data() + kvh * n, t0, nq, G, Hq,
-                         kvh, D);
+  for (int64_t kvh = h0; kvh < h1; ++kvh)
+    write_task<uint16_t>(out, acc.data() + (kvh - h0) * n * D, sum.data() + (kvh - h0) * n, t0,
+                         nq, G, Hq, kvh, D);
 }
 
 // BATCHSPEC_CPU_ATTENTION_DPBF16=0 turns the path off (read on every call)
@@ -818,6 +822,33 @@ bool amx_takes_bf16() {
 }
 #endif
 
+// A batch's work in pieces: [P, 4] of (row, first token in q, queries, keys). A row's
+// queries j0 .. j1 - 1 make a piece of their own: first token t0 + j0, j1 - j0 queries,
+// kv_len - q_len + j1 keys (query j sees keys 0 .. kv_len - q_len + j either way). Rows are
+// cut only where the tasks (`per_row` a row) would be fewer than the threads, into pieces of
+// at least MIN_PIECE queries, so that a prompt's row beside few others (or alone) keeps
+// every thread busy. A query's arithmetic is its own whichever piece holds it (each path
+// works a query from its own row and the keys it sees), so outputs do not depend on the
+// thread count.
+constexpr int64_t MIN_PIECE = 8;
+
+std::vector<int64_t> pieces(const int64_t* rows, int64_t R, int64_t per_row) {
+  const int64_t tasks = std::max<int64_t>(1, R * per_row);
+  const int64_t threads = at::get_num_threads();
+  const int64_t cuts = tasks >= threads ? 1 : (threads + tasks - 1) / tasks;
+  std::vector<int64_t> out;
+  out.reserve(4 * R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t0 = rows[3 * r], nq = rows[3 * r + 1], nkv = rows[3 * r + 2];
+    const int64_t n = std::max<int64_t>(1, std::min(cuts, nq / MIN_PIECE));
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t j0 = nq * c / n, j1 = nq * (c + 1) / n;
+      out.insert(out.end(), {r, t0 + j0, j1 - j0, nkv - nq + j1});
+    }
+  }
+  return out;
+}
+
 template <typename T>
 void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
             int64_t width, const int64_t* rows, int64_t R, int64_t Hq, int64_t Hkv, int64_t D,
@@ -833,7 +864,7 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
     if constexpr (std::is_same_v<Raw, uint16_t>) {   // bf16: pair products, a task a row
       using Row = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
                            const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, float, std::vector<float>&, std::vector<float>&,
+                           int64_t, int64_t, int64_t, float, std::vector<float>&, std::vector<float>&,
                            std::vector<float>&, std::vector<float>&);
       Row row = nullptr;
       if (avx512_usable() && dp_usable() && !amx_takes_bf16()) {
@@ -846,11 +877,17 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
         const auto* rk = reinterpret_cast<const uint16_t*>(kc);
         const auto* rv = reinterpret_cast<const uint16_t*>(vc);
         auto* ro = reinterpret_cast<uint16_t*>(out);
-        at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+        const std::vector<int64_t> pc = pieces(rows, R, 1);
+        const int64_t P = pc.size() / 4;
+        // a task a piece, every KV head; a task a piece and head where pieces are too few
+        const int64_t hs = P < at::get_num_threads() ? 1 : Hkv;
+        at::parallel_for(0, P * (Hkv / hs), 1, [&](int64_t begin, int64_t end) {
           std::vector<float> acc, mx, sum, wf;
-          for (int64_t r = begin; r < end; ++r) {
-            row(rq, rk, rv, ro, tables + r * width, rows[3 * r], rows[3 * r + 1],
-                rows[3 * r + 2], Hq, Hkv, block_size, scale, acc, mx, sum, wf);
+          for (int64_t t = begin; t < end; ++t) {
+            const int64_t* p = pc.data() + 4 * (t / (Hkv / hs));
+            const int64_t h0 = t % (Hkv / hs) * hs;
+            row(rq, rk, rv, ro, tables + p[0] * width, p[1], p[2], p[3], Hq, Hkv, h0, h0 + hs,
+                block_size, scale, acc, mx, sum, wf);
           }
         });
         return;
@@ -883,24 +920,26 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
       const Raw* rk = reinterpret_cast<const Raw*>(kc);
       const Raw* rv = reinterpret_cast<const Raw*>(vc);
       Raw* ro = reinterpret_cast<Raw*>(out);
-      at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+      const std::vector<int64_t> pc = pieces(rows, R, Hkv);
+      at::parallel_for(0, static_cast<int64_t>(pc.size() / 4) * Hkv, 1, [&](int64_t begin,
+                                                                             int64_t end) {
         std::vector<float> qf, acc, mx, sum, kf(CHUNK * D), vf(CHUNK * D);
         [[maybe_unused]] bool tiles = false;   // this thread's AMX tiles are configured
         for (int64_t t = begin; t < end; ++t) {
-          const int64_t r = t / Hkv, kvh = t % Hkv;
+          const int64_t* p = pc.data() + 4 * (t / Hkv);
+          const int64_t kvh = t % Hkv;
 #ifdef BS_HAVE_AMX_PATH
           if (amx != nullptr) {
             if (!tiles) bs::configure_tiles();
             tiles = true;
             amx(reinterpret_cast<const uint16_t*>(rq), reinterpret_cast<const uint16_t*>(rk),
                 reinterpret_cast<const uint16_t*>(rv), reinterpret_cast<uint16_t*>(ro),
-                tables + r * width, rows[3 * r], rows[3 * r + 1], rows[3 * r + 2], kvh, Hq,
-                Hkv, block_size, scale);
+                tables + p[0] * width, p[1], p[2], p[3], kvh, Hq, Hkv, block_size, scale);
             continue;
           }
 #endif
-          task(rq, rk, rv, ro, tables + r * width, rows[3 * r], rows[3 * r + 1],
-               rows[3 * r + 2], kvh, Hq, Hkv, block_size, scale, qf, acc, mx, sum, kf, vf);
+          task(rq, rk, rv, ro, tables + p[0] * width, p[1], p[2], p[3], kvh, Hq, Hkv,
+               block_size, scale, qf, acc, mx, sum, kf, vf);
         }
 #ifdef BS_HAVE_AMX_PATH
         if (tiles) amx_release();
@@ -910,13 +949,15 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
     }
   }
 #endif
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> pc = pieces(rows, R, Hkv);
+  at::parallel_for(0, static_cast<int64_t>(pc.size() / 4) * Hkv, 1, [&](int64_t begin,
+                                                                         int64_t end) {
     std::vector<float> qf, acc, mx, sum, kt(CHUNK * D, 0.f), vf(CHUNK * D), sc(CHUNK);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / Hkv, kvh = task % Hkv;
-      attend_task<T>(q, kc, vc, out, tables + r * width, rows[3 * r], rows[3 * r + 1],
-                     rows[3 * r + 2], kvh, Hq, Hkv, D, block_size, scale, qf, acc, mx, sum,
-                     kt, vf, sc);
+      const int64_t* p = pc.data() + 4 * (task / Hkv);
+      const int64_t kvh = task % Hkv;
+      attend_task<T>(q, kc, vc, out, tables + p[0] * width, p[1], p[2], p[3], kvh, Hq, Hkv, D,
+                     block_size, scale, qf, acc, mx, sum, kt, vf, sc);
     }
   });
 }

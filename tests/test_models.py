@@ -324,6 +324,30 @@ def test_cpu_paged_attention_kernel_equals_sdpa(arch_model, dtype, lengths, monk
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_are_the_same_at_any_thread_count(arch_model, dtype):
+    """The C++ ops (built with OpenMP, so at::parallel_for runs on torch's threads) split a
+    forward's work by rows, output features and, in attention, by KV heads and pieces of a
+    prompt's queries: logits must be the same bit for bit at 1, 3 and 8 threads, for a
+    prompt's row alone, decodes and windows beside a prompt."""
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    runner, prompts, seqs = prefilled(arch_model, dtype, (9, 40, 14))
+    cases = [([list(range(3, 43))], [0], [seqs[1].block_table], [1]),
+             ([[5, 6, 7], [8], [9, 10, 11, 12, 13]], [len(p) for p in prompts],
+              [s.block_table for s in seqs], [3, 1, 5])]
+    before = torch.get_num_threads()
+    try:
+        for args in cases:
+            logits = []
+            for threads in (1, 3, 8):
+                torch.set_num_threads(threads)
+                logits.append(runner.forward(*args))
+            assert all(torch.equal(logits[0], x) for x in logits[1:]), (dtype, args[3])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompts_beside_windows_run_in_the_kernel(arch_model, dtype, monkeypatch):
     """On CPU, rows of up to CPU_KERNEL_MAX_Q new tokens (a new row's prompt, a prefill chunk
     after cached context) run in the C++ kernel beside the batch's windows, longer ones in
@@ -390,15 +414,21 @@ def paged_attention_error(D, Hq, Hkv, block_size, dtype, seed=0):
     qlens = [1, 5, 2, 1, 3, 6, 1, 4]
     kvlens = [1, 16, 17, 63, 64, 65, 130, 200]
     q, kc, vc, tables, rows = paged_rows(D, Hq, Hkv, block_size, dtype, qlens, kvlens, g)
-    firsts = rows[:, 0].tolist()
     out = torch.zeros_like(q)
     scale = D ** -0.5
     load(False).paged_decode_attention(q, kc, vc, torch.tensor(tables), rows, scale,
                                        block_size, out)
+    return direct_attention_error(out, q, kc, vc, tables, rows, block_size, scale)
+
+
+def direct_attention_error(out, q, kc, vc, tables, rows, block_size, scale):
+    """Largest difference between the kernel's `out` and fp32 attention computed directly
+    over the rows' keys in the paged cache."""
     worst = 0.0
-    for i, (f, ql, n) in enumerate(zip(firsts, qlens, kvlens)):
+    Hq, Hkv = q.shape[1], kc.shape[1]
+    for (f, ql, n), table in zip(rows.tolist(), tables):
         pos = torch.arange(n)
-        slots = torch.tensor(tables[i])[pos // block_size] * block_size + pos % block_size
+        slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
         k = kc[slots].float().repeat_interleave(Hq // Hkv, dim=1)     # [n, Hq, D]
         v = vc[slots].float().repeat_interleave(Hq // Hkv, dim=1)
         s = torch.einsum("qhd,khd->hqk", q[f:f + ql].float(), k) * scale
@@ -494,6 +524,38 @@ def test_a_query_attends_alike_in_a_window_and_decoded_alone(path, monkeypatch):
             op(q[:W].contiguous(), kc, vc, torch.tensor([tables[0]] * W), decodes, D ** -0.5,
                bs, alone)
             assert torch.equal(window[:W], alone), (path, D, Hq, Hkv, dt)
+
+
+@pytest.mark.parametrize("path", ["default", "dpbf16", "avx512", "avx2", "portable"])
+def test_attention_is_the_same_at_any_thread_count(path, monkeypatch):
+    """With fewer rows than threads the kernel cuts rows of many queries (a prompt's) into
+    pieces, and the pair-product path gives each KV head a task: outputs must be the same
+    bit for bit at 1, 4 and 8 threads, for a prompt's row alone, beside a decode and beside
+    windows, and match attention computed directly."""
+    from batchspec.spec._build import load
+    use_attention_path(path, monkeypatch)
+    op = load(False).paged_decode_attention
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    try:
+        for D, Hq, Hkv in ((64, 4, 2), (32, 3, 3)):
+            for dt in (torch.bfloat16, torch.float32):
+                for qlens, kvlens in (([40], [40]), ([37, 1], [100, 90]), ([5, 64, 3],
+                                                                           [70, 200, 9])):
+                    bs = 16
+                    q, kc, vc, tables, rows = paged_rows(D, Hq, Hkv, bs, dt, qlens, kvlens, g)
+                    outs = []
+                    for threads in (1, 4, 8):
+                        torch.set_num_threads(threads)
+                        out = torch.zeros_like(q)
+                        op(q, kc, vc, torch.tensor(tables), rows, D ** -0.5, bs, out)
+                        outs.append(out)
+                    assert all(torch.equal(outs[0], o) for o in outs[1:]), (D, Hq, dt, qlens)
+                    err = direct_attention_error(outs[0], q, kc, vc, tables, rows, bs,
+                                                 D ** -0.5)
+                    assert err <= (2e-2 if dt == torch.bfloat16 else 1e-5), (D, Hq, dt, err)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("path", ["amx", "dpbf16"])

@@ -97,8 +97,12 @@ def _compile(cuda: bool) -> None:
     # -fno-trapping-math: no FP exception is ever observed, so loops with a clamp or a
     # select (the portable attention path's exp, the host draw's filter) vectorise; it
     # changes no result
+    # -fopenmp: at::parallel_for is inline and runs its threads through OpenMP only where
+    # the caller is built with it; without it every op here ran on the calling thread alone,
+    # whatever torch.set_num_threads said. The OpenMP runtime is the one torch loaded
+    # (libgomp.so.1).
     cflags = ["-O3", "-fno-trapping-math", f"-DBS_NS={NAMESPACE[cuda]}"] + \
-        (["-DBS_WITH_CUDA"] if cuda else [])
+        (["-DBS_WITH_CUDA"] if cuda else ["-fopenmp"])
     # keyed by the sources and the flags: a build made with other flags is another build
     flags = hashlib.sha256(" ".join(cflags).encode()).hexdigest()[:6]
     build = cache_dir() / re.sub(r"[^\w.]+", "_",
@@ -116,6 +120,7 @@ def _compile(cuda: bool) -> None:
         module = cpp_extension.load(
             name=f"batchspec_verify_{flavour}", sources=sources, build_directory=str(build),
             extra_cflags=cflags, extra_include_paths=[str(src)],
+            extra_ldflags=None if cuda else ["-fopenmp"],
             # no fused multiply-add: the GPU rounds like the host and the torch reference
             extra_cuda_cflags=["-O3", "--fmad=false", "-lineinfo"] if cuda else None,
             is_python_module=not cuda, verbose=bool(os.environ.get("BATCHSPEC_BUILD_VERBOSE")))
