@@ -35,16 +35,17 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--jobs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads [1]")
     a = ap.parse_args()
     if not a.method.endswith(("-adaptive", "-routed")):
         ap.error(f"{a.method} has no adaptive policy: give a method ending in -adaptive or "
                  "-routed")
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     models = demo_models()
     prompts = load_prompts(None, None, a.num_prompts, split="heldout")
     tok = hfref.load_tokenizer(models["target"])
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
-    llm = make_llm(a.method, models, a.batch_size, 4, 0, 0.0, 1,
+    llm = make_llm(a.method, models, a.batch_size, 4, 0, 0.0, a.threads,
                    default_dtype(models["target"], "cpu"))
     engine, policy = llm.engine, llm.engine.policy
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens)
