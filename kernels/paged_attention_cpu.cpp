@@ -349,21 +349,21 @@ BS_ATTN_DP void dp_values(const uint16_t* const* vp, int64_t upto, const float* 
 }
 
 // One row's task, its KV heads h0 .. h1 - 1, bf16 queries and caches; NV = D / 16 (D a
-// multiple of 32). A chunk's keys are walked once for all the task's heads, each head taking the chunk in turn,
-// and with several KV heads the next chunk's slots (every head's keys and values, side by
-// side in a slot) are asked for (prefetched) a few at a time while the first query's
-// scores run. Why: a decode step's keys and values at 32 rows and more come from memory,
-// and a head's pass reads every other run of D bf16 of them, a stride the hardware's
-// prefetcher follows poorly. At 32 rows of 700 keys, over six layers' caches (throwaway
-// timings), a decode's attention took 1.46-1.51 ms a layer asking for nothing, 1.05-1.51
-// (from build to build) asking for the whole next chunk at once, 0.92-1.03 asking as here,
-// and 1.55-1.69 on the AVX-512 path (a task per row and KV head). Asking for the next
-// row's first chunk before a row, too, was within the noise (0.96-1.01 ms without it).
+// multiple of 32). A chunk's keys are walked once for all the task's heads, each head
+// taking the chunk in turn, and with several KV heads the next chunk's slots (every head's
+// keys and values, side by side in a slot) are asked for (prefetched) a few at a time while
+// the first query's scores run. Why: a decode step's keys and values at 32 rows and more
+// come from memory, and a head's pass reads every other run of D bf16 of them, a stride the
+// hardware's prefetcher follows poorly. At 32 rows of 700 keys, over six layers' caches
+// (throwaway timings), a decode's attention took 1.46-1.51 ms a layer asking for nothing,
+// 1.05-1.51 (from build to build) asking for the whole next chunk at once, 0.92-1.03 asking
+// as here, and 1.55-1.69 on the AVX-512 path (a task per row and KV head). Asking for the
+// next row's first chunk before a row, too, was within the noise (0.96-1.01 ms without it).
 // With one KV head a chunk's rows lie back to back and the hardware alone streams them
 // (16.6 GB/s); a task of one head of several asks for nothing either.
 // A task takes every KV head of its row unless the rows are fewer than the threads
-// (attend). acc, mx, sum: (h1 - h0) * n query vectors' sums, maxima and totals
-// (n = q_len x G a head).
+// (attend). acc, mx, sum: (h1 - h0) * n query vectors' sums, maxima and totals (n = q_len x
+// G a head).
 template <int NV>
 BS_ATTN_DP void attend_row_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                               uint16_t* out, const int64_t* table, int64_t t0, int64_t nq,
@@ -864,8 +864,8 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables,
     if constexpr (std::is_same_v<Raw, uint16_t>) {   // bf16: pair products, a task a row
       using Row = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
                            const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, float, std::vector<float>&, std::vector<float>&,
-                           std::vector<float>&, std::vector<float>&);
+                           int64_t, int64_t, int64_t, float, std::vector<float>&,
+                           std::vector<float>&, std::vector<float>&, std::vector<float>&);
       Row row = nullptr;
       if (avx512_usable() && dp_usable() && !amx_takes_bf16()) {
         if (D == 32) row = &attend_row_dp<2>;
