@@ -7,7 +7,9 @@
 // j of a row with kv_len keys (its new tokens included) sees positions 0 .. kv_len - q_len + j.
 // Paths: portable C++; AVX-512 and AVX2 (x86-64); AMX tiles for every bf16 task on CPUs that
 // have them, else pair products (AVX512-BF16) for bf16 heads of 32-128 dimensions, a task
-// per row.
+// per row. Where rows are fewer than threads, rows of many queries are cut into pieces and
+// pair products take a task per KV head (pieces, attend): outputs are the same at any thread
+// count.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -15,6 +17,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -998,9 +1001,21 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k,
   bs::write_kv_rows(v_cache, v, slots.data_ptr<int64_t>(), n);
 }
 
+// How many threads at::parallel_for runs `tasks` tasks of grain 1 on here, as every C++ op
+// of these kernels does: torch's thread count (up to `tasks`) where the kernels are built
+// with OpenMP (_build.py); 1 where they are not, whatever torch.set_num_threads says
+int64_t cpu_op_threads(int64_t tasks) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    seen |= uint64_t(1) << std::min(at::get_thread_num(), 63);
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
+  m.def("cpu_op_threads(int tasks) -> int", &cpu_op_threads);
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor rows, float scale, int block_size, Tensor(a!) out) -> ()");

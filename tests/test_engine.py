@@ -45,6 +45,28 @@ def test_seed_gives_same_tokens_whatever_the_batch(llm):
     assert llm.generate(["import os"], other_seed, use_tqdm=False)[0].token_ids != alone
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_tokens_are_the_same_at_any_thread_count(tiny_llama, tiny_draft, dtype):
+    """A job's tokens do not depend on --threads: the C++ ops (forwards, draft steps,
+    verification's draws) run on torch's threads and compute each output alike on any of
+    them. Speculative decoding with a model draft, sampled (T = 0.8, seeded) and greedy, at
+    1 and 4 threads."""
+    before = torch.get_num_threads()
+    prompts = ["import os", "def f(x):", "class A:", "x = [1, 2", "for i in range(",
+               "# a comment", "return", "while True:"]
+    params = [SamplingParams(temperature=t, max_tokens=24, seed=7, ignore_eos=True)
+              for t in (0.8, 0.0) * 4]
+    try:
+        outs = [[o.token_ids for o in LLM(tiny_llama, drafts={"default": tiny_draft},
+                                          device="cpu", dtype=dtype, num_threads=n,
+                                          max_num_seqs=4).generate(prompts, params,
+                                                                   use_tqdm=False)]
+                for n in (1, 4)]
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0] == outs[1]
+
+
 def test_same_request_ids_reproduce_without_explicit_seed(llm):
     p = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     a = llm.generate(["a", "b"], p, request_ids=["r1", "r2"], use_tqdm=False)

@@ -323,6 +323,23 @@ def test_cpu_paged_attention_kernel_equals_sdpa(arch_model, dtype, lengths, monk
     torch.testing.assert_close(kernel, sdpa, **tol)
 
 
+def test_cpu_ops_run_on_torchs_threads():
+    """The C++ ops' at::parallel_for runs on torch's thread pool (the kernels are built with
+    OpenMP): as many threads as torch.set_num_threads gives, up to the tasks; built without
+    it, every op ran on the calling thread alone."""
+    from batchspec.spec._build import load
+    if _kernel_missing():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    op = load(False).cpu_op_threads
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3, 4):
+            torch.set_num_threads(threads)
+            assert op(64) == threads and op(2) == min(2, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_are_the_same_at_any_thread_count(arch_model, dtype):
     """The C++ ops (built with OpenMP, so at::parallel_for runs on torch's threads) split a
@@ -467,8 +484,8 @@ def use_attention_path(path, monkeypatch):
 @pytest.mark.parametrize("path", ["default", "dpbf16", "avx512", "avx2", "portable"])
 def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
     """Every path of the CPU kernel against attention computed directly, for head sizes
-    16-128, GQA groups 1-4 over 1-3 KV heads, block sizes that do and do not divide the kernel's chunks, fp32
-    and bf16, rows of 1-6 tokens: by default AMX tiles for bf16 where the machine has AMX
+    16-128, GQA groups 1-4 over 1-3 KV heads, block sizes that do and do not divide the
+    kernel's chunks, fp32 and bf16, rows of 1-6 tokens: by default AMX tiles for bf16 where the machine has AMX
     (head sizes 32-128), else pair products (AVX512-BF16) for them, AVX-512 for the rest
     where it has that, else AVX2; pair products; AVX-512 alone; AVX2 alone; the portable C++
     one."""
