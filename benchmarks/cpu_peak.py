@@ -84,7 +84,12 @@ def main():
     ap.add_argument("--sizes-mb", default="1,4,64",
                     help="buffer sizes for the read bandwidth, MB, comma-separated")
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes_mb.split(",") if s]
+    try:
+        sizes = [int(s) for s in args.sizes_mb.split(",") if s]
+    except ValueError:
+        ap.error(f"--sizes-mb takes whole MB, comma-separated (got {args.sizes_mb!r})")
+    if any(s < 1 for s in sizes):
+        ap.error("--sizes-mb: each size 1 MB or more")
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = os.path.join(tmp, "peak.cpp"), os.path.join(tmp, "peak")
         with open(src, "w") as f:

@@ -485,10 +485,10 @@ def use_attention_path(path, monkeypatch):
 def test_cpu_paged_attention_kernel_equals_direct_attention(path, monkeypatch):
     """Every path of the CPU kernel against attention computed directly, for head sizes
     16-128, GQA groups 1-4 over 1-3 KV heads, block sizes that do and do not divide the
-    kernel's chunks, fp32 and bf16, rows of 1-6 tokens: by default AMX tiles for bf16 where the machine has AMX
-    (head sizes 32-128), else pair products (AVX512-BF16) for them, AVX-512 for the rest
-    where it has that, else AVX2; pair products; AVX-512 alone; AVX2 alone; the portable C++
-    one."""
+    kernel's chunks, fp32 and bf16, rows of 1-6 tokens: by default AMX tiles for bf16 where
+    the machine has AMX (head sizes 32-128), else pair products (AVX512-BF16) for them,
+    AVX-512 for the rest where it has that, else AVX2; pair products; AVX-512 alone; AVX2
+    alone; the portable C++ one."""
     use_attention_path(path, monkeypatch)
     for D in (16, 32, 64, 128):
         for Hq, Hkv in ((4, 2), (8, 2), (3, 3), (2, 1)):
