@@ -20,7 +20,7 @@ def cli(ctx: click.Context, verbose: int):
 # Modules that define a COMMANDS list of click commands.
 COMMAND_MODULES = ["batchspec.jobs.commands", "batchspec.report.command",
                    "batchspec.tools.bench", "batchspec.tools.evaluate", "batchspec.tools.distill",
-                   "batchspec.tools.convert"]
+                   "batchspec.tools.convert", "batchspec.tools.vocab"]
 
 
 def _register():

@@ -110,6 +110,8 @@ class EngineConfig:
                                                           # "suffix" or "DIR+ngram|suffix"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
+    draft_vocab: bool = True          # a draft whose directory has draft_vocab.json scores
+                                      # only those tokens (batchspec.spec.draft_vocab)
     device: str = "auto"              # auto | cpu | cuda | cuda:N; with tensor parallelism
                                       # one device per rank ("cuda:0,cuda:1"), or the first
                                       # one (cuda:N: ranks on cuda:N, cuda:N+1, ...)

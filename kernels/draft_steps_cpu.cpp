@@ -21,10 +21,12 @@
 // Python side decides when it applies (ModelRunner.draft_steps).
 //
 // weights:     embed, cos, sin, final norm, the head (int8: packed, scales, sums; else the
-//              packed layer), then per layer: input norm, post-attention norm, qkv, o,
-//              gate_up, down (each packed for the C++ op, or a oneDNN-packed mkldnn tensor)
+//              packed layer; then, for a draft vocabulary, the int64 ids of the tokens it
+//              scores), then per layer: input norm, post-attention norm, qkv, o, gate_up,
+//              down (each packed for the C++ op, or a oneDNN-packed mkldnn tensor)
 // dims:        layers, q heads, kv heads, head dim, hidden, intermediate, vocab, head kind
-//              (0 int8, 1 the packed layer)
+//              (0 int8, 1 the packed layer), draft vocabulary (1: the head scores the ids
+//              above, every other logit is -inf; 0: the whole vocabulary)
 // caches:      per layer k, v [slots, kv heads, head dim]
 // feed:        the rows' pending tokens, concatenated; feed_lens [R] (1-16 each)
 // positions:   [R] the position of each row's first pending token; block_tables [R, width]
@@ -43,6 +45,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -141,10 +144,11 @@ std::tuple<Tensor, Tensor> draft_steps(
     const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p, int64_t stream,
     int64_t first_step) {
   c10::InferenceMode guard;
-  TORCH_CHECK(dims.size() == 8, "draft_steps: 8 dims");
+  TORCH_CHECK(dims.size() == 9, "draft_steps: 9 dims");
   const int64_t L = dims[0], Hq = dims[1], Hkv = dims[2], D = dims[3], H = dims[4],
-                I = dims[5], V = dims[6], head_kind = dims[7];
-  const int64_t head_n = head_kind == 0 ? 3 : 1;
+                I = dims[5], V = dims[6], head_kind = dims[7], trimmed = dims[8];
+  // the head's weights, then (a draft vocabulary) the ids of the tokens it scores
+  const int64_t head_n = (head_kind == 0 ? 3 : 1) + (trimmed ? 1 : 0);
   TORCH_CHECK(L > 0 && int64_t(weights.size()) == GLOBALS + head_n + PER_LAYER * L &&
                   int64_t(caches.size()) == 2 * L,
               "draft_steps: weights or caches do not match the dims");
@@ -160,6 +164,9 @@ std::tuple<Tensor, Tensor> draft_steps(
   bs::host_paths_on() = bs::host_draw_env();
   const Tensor &embed = weights[0], &cos = weights[1], &sin = weights[2],
                &final_norm = weights[3];
+  const Tensor head_rows = trimmed ? weights[GLOBALS + head_n - 1] : Tensor();
+  TORCH_CHECK(!trimmed || (head_rows.scalar_type() == at::kLong && head_rows.dim() == 1),
+              "draft_steps: a draft vocabulary's ids are int64 [N]");
   const int64_t qs = Hq * D, kvs = Hkv * D, W = block_tables.size(1);
   const int64_t* tab = block_tables.data_ptr<int64_t>();
   const int64_t* nsteps = steps.data_ptr<int64_t>();
@@ -245,12 +252,16 @@ std::tuple<Tensor, Tensor> draft_steps(
     x = op.add_rms_norm.call(h, mlp_out, final_norm, eps);
     if (T != M) x = x.index_select(0, tensor(last));   // each row's last token
     Tensor logits;
+    const int64_t N = trimmed ? head_rows.numel() : V;
     if (head_kind == 0) {
       logits = op.head_int8.call(x, weights[GLOBALS], weights[GLOBALS + 1],
-                                 weights[GLOBALS + 2], V);
+                                 weights[GLOBALS + 2], N);
     } else {
-      logits = linear(x, weights[GLOBALS], H, V, true);
+      logits = linear(x, weights[GLOBALS], H, N, true);
     }
+    if (trimmed)   // as LlamaForCausalLM._full_vocab: -inf where the draft cannot propose
+      logits = at::full({M, V}, -std::numeric_limits<float>::infinity(), logits.options())
+                   .index_copy_(1, head_rows, logits);
     Tensor next = op.argmax.call(logits);
     if (sampling) {
       // DraftModelProposer.propose's draw, row by row into the row's q: q = draft_probs

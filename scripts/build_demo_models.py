@@ -155,6 +155,28 @@ def step_distill(name: str, init: str, domain: str | None, minutes: float, num_p
     print(json.dumps(report))
 
 
+DRAFT_VOCAB_SIZE = 1024
+
+
+def step_draft_vocab():
+    """Each draft's vocabulary (batchspec.spec.draft_vocab): the 1,024 tokens most frequent
+    in the training text of both domains, and end of sequence. Reads the corpus and the
+    bundled tokenizer only, so it runs on its own: --only draft-vocab."""
+    from batchspec.models.loader import load_tokenizer as model_tokenizer
+    from batchspec.spec import draft_vocab
+    tok = model_tokenizer(os.path.join(MODELS, "target"))
+    corpus = build_corpus()
+    counts = draft_vocab.count_tokens(
+        tok, (t for d in DOMAINS for _, t in corpus[d]["train"]))
+    ids, covered = draft_vocab.choose(counts, VOCAB_SIZE, size=DRAFT_VOCAB_SIZE,
+                                      always=[tok.eos_token_id])
+    for name in ("draft", "draft-code", "draft-docs"):
+        draft_vocab.write(os.path.join(MODELS, name), ids, {
+            "counted_tokens": sum(counts.values()), "covered": round(covered, 4),
+            "data": ["the demo corpus's training text, both domains"]})
+    print(f"{len(ids)} tokens, {covered:.1%} of the training text's {sum(counts.values()):,}")
+
+
 def step_eval():
     """α at T=0, k=4 of every draft (and the undistilled base) on each domain's held-out
     prompts; the table in docs/benchmarks.md."""
@@ -193,6 +215,8 @@ STEPS = {
     "draft-docs": (lambda: os.path.join(MODELS, "draft-docs"),
                    lambda: step_distill("draft-docs", os.path.join(MODELS, "draft"), "docs",
                                         OPTS["domain_minutes"], 512)),
+    "draft-vocab": (lambda: os.path.join(MODELS, "draft-docs", "draft_vocab.json"),
+                    step_draft_vocab),
     "eval": (lambda: build_path("alpha.json"), step_eval),
 }
 OPTS: dict = {}

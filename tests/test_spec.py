@@ -56,8 +56,8 @@ def test_greedy_spec_equals_plain_in_bf16(model_factory, tiny_draft, draft):
 
 
 @pytest.mark.parametrize("head", ["int8", "bf16", "fp32", "fp32-onednn", "fp32-int8",
-                                  "fp32-generic"])
-def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch):
+                                  "fp32-generic", "fp32-vocab", "fp32-int8-vocab"])
+def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch, tmp_path):
     """A draft's steps run in one C++ call (kernels/draft_steps_cpu.cpp) for drafts with
     packed weights (bf16: AMX tiles, AVX512-BF16 pair products on CPUs with those but no
     AMX, or oneDNN; fp32: the
@@ -69,7 +69,10 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     counts, with either bf16 output layer; in a job, greedy and sampled, the outputs and
     acceptance counts are the loop's; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off. With
     the host row passes off (BATCHSPEC_VERIFY_HOST_DRAW=0: q by the scalar loop) the two
-    agree too."""
+    agree too. A draft vocabulary (-vocab: its output layer scores part of the vocabulary,
+    draft_vocab.json) changes none of this."""
+    import shutil
+
     from batchspec.engine.runner import ModelRunner
     from batchspec.engine.sequence import Sequence
     from batchspec.spec._build import load
@@ -81,7 +84,14 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     if head == "fp32-generic":
         monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", "0")
     draft = model_factory("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
-                          num_kv_heads=1, tie_word_embeddings=head.endswith("int8"))
+                          num_kv_heads=1, tie_word_embeddings="int8" in head)
+    rows = None
+    if head.endswith("-vocab"):   # every third token, and the pending tokens' range
+        from batchspec.spec import draft_vocab
+        ids = sorted(set(range(0, 512, 3)) | set(range(100, 140)))
+        draft = str(shutil.copytree(draft, tmp_path / "draft"))
+        draft_vocab.write(draft, ids, {})
+        rows = torch.tensor(ids)
     g = torch.Generator().manual_seed(0)
     ctx = [30, 15, 47, 9, 12]   # steps cross blocks (block size 16)
     tables = [[7, 3, 12, 0], [5, 9], [1, 2, 4, 6], [8, 10], [11, 13, 14]]
@@ -92,14 +102,14 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
 
     dtype = "float32" if head.startswith("fp32") else "bfloat16"
     layouts = {"fp32": ("avx2",), "fp32-generic": ("avx2",), "fp32-onednn": ("onednn",),
-               "fp32-int8": ("avx2", "onednn")}.get(head, ("amx", "avx512_bf16", "onednn"))
+               "fp32-int8": ("avx2", "onednn"), "fp32-vocab": ("avx2",),
+               "fp32-int8-vocab": ("avx2", "onednn")}.get(head, ("amx", "avx512_bf16", "onednn"))
 
     def propose(cpp: bool):
-        runner = ModelRunner(draft, "cpu", dtype)
+        runner = ModelRunner(draft, "cpu", dtype, head_rows=rows)
         if runner.model.weight_layout not in layouts:
             pytest.skip(f"no packed {dtype} weights on this CPU (the C++ draft steps need them)")
-        if head.endswith("int8") and not (load(False).head_int8_fast() and
-                                          runner.use_int8_head()):
+        if "int8" in head and not (load(False).head_int8_fast() and runner.use_int8_head()):
             pytest.skip("no AVX512-VNNI or AVX2: no int8 output layer")
         runner.allocate_kv_cache(64, 16)
         if not cpp:
@@ -130,6 +140,12 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
         assert o.token_ids == w.token_ids and len(o.token_ids) == n
         if t > 0:
             assert o.probs is not None and torch.equal(o.probs, w.probs)
+        if rows is not None:   # only the vocabulary's tokens, which alone have probability
+            assert set(o.token_ids) <= set(rows.tolist())
+            if t > 0:
+                outside = torch.ones(o.probs.shape[-1], dtype=torch.bool)
+                outside[rows] = False
+                assert float(o.probs[:, outside].sum()) < 1e-30
 
     target = model_factory("llama", seed=2, hidden_size=128, num_heads=2, num_kv_heads=1)
     kw = dict(drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
@@ -315,15 +331,23 @@ def test_speculative_sampling_is_exact_with_cpp_draft_steps(model_factory, tmp_p
     drafted = sum(o.stats["total_drafted"] for o in outs)
     accepted = sum(o.stats["total_accepted"] for o in outs)
     assert drafted > 0.9 * n and 0 < accepted < drafted  # both paths exercised
-    runner = llm.engine.target
-    last_block = runner.kv_caches[0][0].shape[0] // runner.block_size - 1   # free now
+    assert_follows([tuple(o.token_ids) for o in outs],
+                   engine_joint(llm.engine.target, prompt, temperature))
+
+
+def engine_joint(runner, prompt: list[int], temperature: float) -> dict:
+    """The target's exact distribution over its first three outputs after prompt, from its
+    own forward over each prefix (the short-row path verification windows take), by
+    enumeration over its vocabulary (after a job: the cache's last block is free)."""
+    V = runner.cfg.vocab_size
+    last_block = runner.kv_caches[0][0].shape[0] // runner.block_size - 1
     joint = {}
     for seq in itertools.product(range(V), repeat=2):
         logits = runner.forward([prompt + list(seq)], [0], [[last_block]], [3])
         _, probs = target_probs(logits, torch.full((3,), temperature), None, None)
         for t in range(V):
             joint[seq + (t,)] = float(probs[0, seq[0]] * probs[1, seq[1]] * probs[2, t])
-    assert_follows([tuple(o.token_ids) for o in outs], joint)
+    return joint
 
 
 def assert_follows(samples: list[tuple], joint: dict):

@@ -15,7 +15,8 @@ from batchspec.engine.distributed import make_target_runner
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
-from batchspec.models.loader import load_tokenizer
+from batchspec.models.loader import load_tokenizer, read_config
+from batchspec.spec import draft_vocab
 from batchspec.spec.policy import PROMPT_TIMED, SpecPolicy, StepCosts
 from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
 from batchspec.spec.suffix import SuffixProposer
@@ -49,7 +50,8 @@ class Engine:
                 self._add_lookup(name, path)
                 continue
             if path not in runners:
-                runners[path] = ModelRunner(path, c.devices[0], c.dtype, c.attention_backend)
+                runners[path] = ModelRunner(path, c.devices[0], c.dtype, c.attention_backend,
+                                            head_rows=self._draft_vocab(path))
                 self._check_draft(path, runners[path])
                 runners[path].use_int8_head()   # a draft's logits may round (CPU: VNNI, AVX2)
             self.proposers[name] = DraftModelProposer(runners[path], c.confidence_threshold)
@@ -180,6 +182,18 @@ class Engine:
             n = 1
         if n is not None:
             torch.set_num_threads(n)
+
+    def _draft_vocab(self, path: str) -> torch.Tensor | None:
+        """The ids a draft's output layer scores (its draft_vocab.json), or None: all."""
+        if not self.config.draft_vocab:
+            return None
+        vocab_size = read_config(path).vocab_size
+        ids = draft_vocab.load(path, vocab_size)
+        if ids is None:
+            return None
+        log.info("draft %s scores %d of its %d tokens (%s)", path, len(ids), vocab_size,
+                 draft_vocab.FILE)
+        return torch.tensor(ids, dtype=torch.long)
 
     def _check_draft(self, path: str, runner: ModelRunner) -> None:
         if runner.cfg.vocab_size != self.target.cfg.vocab_size:

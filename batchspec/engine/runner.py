@@ -24,14 +24,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelRunner:
     def __init__(self, path: str, device: str, dtype: str, attention_backend: str = "torch",
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, head_rows: torch.Tensor | None = None):
         self.path = path
         self.device = torch.device(device)
         self.cfg = read_config(path)
         weights = Checkpoint(path)
         self.num_params = weights.num_params(
             skip=("lm_head.weight",) if self.cfg.tie_word_embeddings else ())
-        self.model = LlamaForCausalLM(self.cfg, weights, DTYPES[dtype], self.device, tp)
+        self.model = LlamaForCausalLM(self.cfg, weights, DTYPES[dtype], self.device, tp,
+                                      head_rows)
         del weights
         if attention_backend == "flash" and not flash_available():
             raise RuntimeError("attention_backend='flash' needs CUDA and the flash-attn package")
@@ -47,7 +48,8 @@ class ModelRunner:
             weights = None if self.cfg.tie_word_embeddings else Checkpoint(self.path)
             w = self.model.embed if weights is None or "lm_head.weight" not in weights else \
                 weights.get("lm_head.weight")
-            return w[:self.cfg.vocab_size]
+            w = w[:self.cfg.vocab_size]
+            return w if self.model.head_rows is None else w[self.model.head_rows]
         took = self.model.use_int8_head(head)
         if self.kv_caches is not None:
             self._find_draft_steps()

@@ -174,9 +174,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: Checkpoint, dtype, device,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, head_rows: torch.Tensor | None = None):
         """The model's weights on `device`; with tp.size > 1, this rank's shard of them
-        (batchspec.layers.parallel says which part each rank holds)."""
+        (batchspec.layers.parallel says which part each rank holds). head_rows: a draft's
+        vocabulary (batchspec.spec.draft_vocab), the only tokens its output layer scores;
+        the other logits are -inf (one rank only)."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -202,8 +204,14 @@ class LlamaForCausalLM(nn.Module):
             return F.pad(t, (0, 0, 0, v_rows - t.shape[0])) if t.shape[0] < v_rows else t
 
         self.embed = vocab_rows("model.embed_tokens.weight")
-        self.lm_head = pack(self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in
-                            weights else vocab_rows("lm_head.weight"))
+        head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
+            else vocab_rows("lm_head.weight")
+        self.head_rows = None   # [N] int64 ids the output layer scores, or None: all
+        if head_rows is not None:
+            assert tp.size == 1, "a draft's vocabulary is for one rank"
+            self.head_rows = head_rows.to(device=device, dtype=torch.long)
+            head = head[self.head_rows]
+        self.lm_head = pack(head)
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -285,11 +293,13 @@ class LlamaForCausalLM(nn.Module):
         op_head = isinstance(self.lm_head, PackedWeight)
         if self.int8_head is not None:
             head = list(self.int8_head[1:])
-        elif self.lm_head is not None and cfg.vocab_size == (
+        elif self.lm_head is not None and self.head_size == (
                 self.lm_head.out_features if op_head else self.lm_head.shape[0]):
             head = [packed(self.lm_head)]
         else:
             return None
+        if self.head_rows is not None:
+            head.append(self.head_rows)
         weights = [self.embed, self.cos, self.sin, self.final_norm] + head
         for layer in self.layers:
             weights += [layer["in_norm"], layer["post_norm"]] + \
@@ -300,7 +310,21 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         return [cfg.num_layers, self.num_heads, self.num_kv_heads, cfg.head_dim,
                 cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
-                0 if self.int8_head is not None else 1]
+                0 if self.int8_head is not None else 1, int(self.head_rows is not None)]
+
+    @property
+    def head_size(self) -> int:
+        """Logits the output layer computes: the vocabulary, or a draft's part of it."""
+        return self.cfg.vocab_size if self.head_rows is None else self.head_rows.numel()
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """A draft vocabulary's logits [n, N] at their ids of the vocabulary, -inf elsewhere:
+        every reader (argmax, softmax, filters, draws) then sees tokens it cannot propose as
+        probability 0."""
+        if self.head_rows is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.head_rows, logits)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -379,12 +403,12 @@ class LlamaForCausalLM(nn.Module):
         in the profile of a job)."""
         if self.int8_head is not None:
             op, packed, scales, sums = self.int8_head
-            return op(hidden, packed, scales, sums, self.cfg.vocab_size)
+            return self._full_vocab(op(hidden, packed, scales, sums, self.head_size))
         logits = self.tp.gather_first(linear(hidden, self.lm_head, float_out=float_logits))
         if logits is None:
             return None
-        logits = logits[:, :self.cfg.vocab_size]
-        return (logits.float() if float_logits else logits).contiguous()
+        logits = logits[:, :self.head_size]
+        return self._full_vocab((logits.float() if float_logits else logits).contiguous())
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device):
         """Per layer (k, v), each [num_blocks * block_size, H_kv, D] (this rank's KV heads)."""

@@ -189,7 +189,7 @@ def _engine_result(outs, wall):
                              model_rounds / max(len(sources), 1))}
 
 
-def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
+def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype, **engine):
     from batchspec import LLM
     domain_drafts = {"default": models["draft"], "code": models["draft-code"],
                      "docs": models["draft-docs"]}
@@ -201,7 +201,7 @@ def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype):
     return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
                dtype=dtype, seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
                confidence_threshold=threshold, num_threads=threads,
-               adaptive_k=method.endswith(("-adaptive", "-routed")))
+               adaptive_k=method.endswith(("-adaptive", "-routed")), **engine)
 
 
 def finish_row(row, k, cost):

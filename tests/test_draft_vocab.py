@@ -1,0 +1,114 @@
+"""A draft's vocabulary (batchspec.spec.draft_vocab): its output layer scores part of the
+vocabulary; outputs stay exact, greedy and sampled; bad files fail fast; the command."""
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from batchspec import LLM, SamplingParams
+from batchspec.cli import _register, cli
+from batchspec.spec import draft_vocab
+from tests.test_spec import GREEDY, PROMPTS, assert_follows, engine_joint, noisy_copy
+
+
+def with_vocab(src, dst, ids) -> str:
+    path = str(shutil.copytree(src, dst))
+    draft_vocab.write(path, ids, {})
+    return path
+
+
+def test_greedy_outputs_do_not_change(tiny_llama, tmp_path):
+    """The target as its own draft, scoring a quarter of the vocabulary: outputs are plain
+    decoding's; every drafted token is one of the list's, so rounds whose next token is
+    outside it are rejected there (acceptance below 1)."""
+    ids = list(range(0, 512, 4))
+    draft = with_vocab(tiny_llama, tmp_path / "draft", ids)
+    plain = LLM(tiny_llama, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
+    kw = dict(num_speculative_tokens=4, device="cpu", min_acceptance=0.0)
+    llm = LLM(tiny_llama, drafts={"default": draft}, **kw)
+    assert llm.engine.proposers["default"].runner.model.head_size == len(ids)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for p, o in zip(plain, outs):
+        assert o.token_ids == p.token_ids
+    drafted = sum(o.stats["total_drafted"] for o in outs)
+    accepted = sum(o.stats["total_accepted"] for o in outs)
+    assert 0 < accepted < drafted
+    # draft_vocab=False: the whole vocabulary, every draft accepted
+    whole = LLM(tiny_llama, drafts={"default": draft}, draft_vocab=False, **kw)
+    assert whole.engine.proposers["default"].runner.model.head_rows is None
+
+
+@pytest.mark.slow
+def test_speculative_sampling_is_exact_with_a_draft_vocabulary(model_factory, tmp_path):
+    """Sampled, with a draft that can propose only tokens 0, 2 and 3 of 6: its q is 0 on
+    the others, which verification then makes up for from the target's residual. The first
+    three outputs follow the target's own distribution (chi-square)."""
+    V, temperature = 6, 1.0
+    target = model_factory("llama", vocab_size=V, tokenizer=False, init_std=0.25, seed=11)
+    draft = noisy_copy(target, str(tmp_path / "noisy"), scale=0.7)
+    draft = with_vocab(draft, tmp_path / "draft", [0, 2, 3])
+    llm = LLM(target, drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
+              dtype="float32", min_acceptance=0.0)
+    prompt, n = [1, 2, 3], 6000
+    params = [SamplingParams(temperature=temperature, max_tokens=3, seed=s) for s in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    drafted = sum(o.stats["total_drafted"] for o in outs)
+    accepted = sum(o.stats["total_accepted"] for o in outs)
+    assert drafted > 0.9 * n and 0 < accepted < drafted
+    samples = [tuple(o.token_ids) for o in outs]
+    assert any(t in (1, 4, 5) for s in samples for t in s)   # tokens the draft cannot give
+    assert_follows(samples, engine_joint(llm.engine.target, prompt, temperature))
+
+
+@pytest.mark.parametrize("content,message", [
+    ("not json", "not a draft vocabulary"),
+    (json.dumps({"ids": [1]}), "not a draft vocabulary"),
+    (json.dumps({"token_ids": []}), "non-empty list"),
+    (json.dumps({"token_ids": [1, "2"]}), "non-empty list"),
+    (json.dumps({"token_ids": [1, 5000]}), "outside the vocabulary of 512"),
+    (json.dumps({"token_ids": [1, 1]}), "repeated ids"),
+])
+def test_a_bad_file_fails_fast(tiny_llama, tiny_draft, tmp_path, content, message):
+    draft = str(shutil.copytree(tiny_draft, tmp_path / "draft"))
+    with open(draft_vocab.path_of(draft), "w") as f:
+        f.write(content)
+    with pytest.raises(ValueError, match=message) as e:
+        LLM(tiny_llama, drafts={"default": draft}, device="cpu")
+    assert "draft_vocab.json" in str(e.value)
+
+
+def test_the_command_counts_prompts_and_outputs(tiny_llama, tiny_draft, tmp_path):
+    import polars as pl
+    _register()
+    draft = str(shutil.copytree(tiny_draft, tmp_path / "draft"))
+    shard = tmp_path / "shard.parquet"
+    pl.DataFrame({"prompt": ["def foo(x):\n    return x"] * 3,
+                  "text": ["import os", None, "x = 1"]}).write_parquet(shard)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The quick brown fox")
+    run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data", str(shard), "--data",
+                                   str(notes), "--size", "8"])
+    assert run.exit_code == 0, run.output
+    about = json.load(open(draft_vocab.path_of(draft)))
+    ids = draft_vocab.load(draft, 512)
+    assert ids == about["token_ids"] and 8 <= len(ids) <= 9   # and end of sequence
+    assert about["data"] == ["shard.parquet", "notes.txt"] and about["covered"] < 1.0
+    llm = LLM(tiny_llama, drafts={"default": draft}, device="cpu")
+    assert llm.engine.proposers["default"].runner.model.head_rows.tolist() == ids
+    # --coverage 1.0 keeps every counted token; --remove goes back to the whole vocabulary
+    run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data", str(shard),
+                                   "--coverage", "1.0"])
+    assert run.exit_code == 0 and json.load(open(draft_vocab.path_of(draft)))["covered"] == 1.0
+    assert CliRunner().invoke(cli, ["draft-vocab", draft, "--remove"]).exit_code == 0
+    assert draft_vocab.load(draft, 512) is None
+    # bad input: one line, no traceback
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 not really")
+    run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data", str(bad)])
+    assert run.exit_code != 0 and "not a readable Parquet file" in run.output
+    pl.DataFrame({"other": ["x"]}).write_parquet(tmp_path / "other.parquet")
+    run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data",
+                                   str(tmp_path / "other.parquet")])
+    assert run.exit_code != 0 and "no prompt, text or messages column" in run.output
+    assert run.exception is None or isinstance(run.exception, SystemExit)
