@@ -112,3 +112,14 @@ def test_the_command_counts_prompts_and_outputs(tiny_llama, tiny_draft, tmp_path
                                    str(tmp_path / "other.parquet")])
     assert run.exit_code != 0 and "no prompt, text or messages column" in run.output
     assert run.exception is None or isinstance(run.exception, SystemExit)
+
+
+def test_choose_keeps_the_most_frequent_and_fills_from_the_lowest_ids():
+    import collections
+    counts = collections.Counter({7: 5, 3: 4, 9: 1})
+    assert draft_vocab.choose(counts, 12, size=2, always=[11]) == ([3, 7, 11], 0.9)
+    # fewer distinct tokens than asked: the lowest ids the text lacks make up the rest
+    assert draft_vocab.choose(counts, 12, size=5)[0] == [0, 1, 3, 7, 9]
+    assert draft_vocab.choose(counts, 12, coverage=0.5)[0] == [7]
+    with pytest.raises(ValueError, match="no tokens were counted"):
+        draft_vocab.choose(collections.Counter(), 12, size=4)

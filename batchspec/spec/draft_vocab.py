@@ -1,8 +1,7 @@
 """A draft's vocabulary: the tokens its output layer scores.
 
 A small draft spends much of a step in its output layer (the demo drafts: 786k of 1.2M
-parameters; SmolLM2-135M: 28M of 135M), yet the tokens a job's text is made of are a small
-part of the vocabulary. A draft whose directory holds `draft_vocab.json` scores only those
+parameters), yet the tokens a job's text is made of are a small part of the vocabulary. A draft whose directory holds `draft_vocab.json` scores only those
 tokens; every other logit is -inf, so the draft never proposes them and its q gives them
 probability 0. Verification is exact for any q that the drafts are drawn from, so outputs do
 not change, only which tokens the draft can get accepted: where the target picks a token
@@ -71,8 +70,10 @@ def count_tokens(tokenizer, texts: Iterable[str], batch: int = 256) -> collectio
 def choose(counts: collections.Counter, vocab_size: int, size: int | None = None,
            coverage: float = 0.999, always: Iterable[int] = ()) -> tuple[list[int], float]:
     """The most frequent tokens: `size` of them, or else the fewest that make up `coverage`
-    of the counted tokens; plus `always` (end of sequence tokens). Returns (sorted ids, the
-    share of the counted tokens they cover)."""
+    of the counted tokens; plus `always` (end of sequence tokens). Where the text has fewer
+    distinct tokens than `size`, the lowest ids it lacks make up the rest (a BPE vocabulary
+    numbers its tokens in the order of its merges, the most frequent first). Returns
+    (sorted ids, the share of the counted tokens they cover)."""
     total = sum(counts.values())
     if total == 0:
         raise ValueError("no tokens were counted: give text with --data")
@@ -84,7 +85,10 @@ def choose(counts: collections.Counter, vocab_size: int, size: int | None = None
                 break
             covered += counts[t]
             size += 1
-    chosen = set(ranked[:size]) | {t for t in always if 0 <= t < vocab_size}
+    chosen = set(ranked[:size])
+    fill = (t for t in range(vocab_size) if t not in chosen)
+    chosen.update(next(fill) for _ in range(min(size, vocab_size) - len(chosen)))
+    chosen |= {t for t in always if 0 <= t < vocab_size}
     return sorted(chosen), sum(counts[t] for t in chosen) / total
 
 
