@@ -1,11 +1,12 @@
 """A draft's vocabulary: the tokens its output layer scores.
 
 A small draft spends much of a step in its output layer (the demo drafts: 786k of 1.2M
-parameters), yet the tokens a job's text is made of are a small part of the vocabulary. A draft whose directory holds `draft_vocab.json` scores only those
-tokens; every other logit is -inf, so the draft never proposes them and its q gives them
-probability 0. Verification is exact for any q that the drafts are drawn from, so outputs do
-not change, only which tokens the draft can get accepted: where the target picks a token
-outside the list, that round's draft stops being accepted there.
+parameters), yet the tokens a job's text is made of are a small part of the vocabulary. A
+draft whose directory holds `draft_vocab.json` scores only those tokens; every other logit
+is -inf, so the draft never proposes them and its q gives them probability 0. Verification
+is exact for any q that the drafts are drawn from, so outputs do not change, only which
+tokens the draft can get accepted: where the target picks a token outside the list, that
+round's draft stops being accepted there.
 
 The list is the N most frequent tokens of a sample of the job's text (prompts, and outputs
 of earlier runs where there are some), counted by `batchspec draft-vocab`, plus the end of
