@@ -123,3 +123,36 @@ def test_choose_keeps_the_most_frequent_and_fills_from_the_lowest_ids():
     assert draft_vocab.choose(counts, 12, coverage=0.5)[0] == [7]
     with pytest.raises(ValueError, match="no tokens were counted"):
         draft_vocab.choose(collections.Counter(), 12, size=4)
+
+
+def test_a_job_may_score_every_token(tiny_llama, tiny_draft, tmp_path):
+    """`--whole-draft-vocab` (run, submit) and `draft_vocab: false` in a job file reach the
+    engine: its drafts score every token despite their draft_vocab.json."""
+    import click
+    import yaml
+
+    from batchspec.jobs.commands import job_options
+    from batchspec.jobs.spec import JobSpec
+    draft = with_vocab(tiny_draft, tmp_path / "draft", list(range(0, 512, 2)))
+    got = {}
+
+    @click.command()
+    @job_options
+    def probe(config, **options):
+        got["spec"] = JobSpec.build(config=config, **options)
+
+    shard = tmp_path / "in.parquet"
+    shard.write_bytes(b"")   # (the spec only names it)
+    args = [str(shard), "-o", str(tmp_path / "out"), "--model", tiny_llama,
+            "--draft", f"default={draft}"]
+    for extra, want in (([], True), (["--whole-draft-vocab"], False), (["--draft-vocab"], True)):
+        assert CliRunner().invoke(probe, args + extra).exit_code == 0
+        assert got["spec"].engine_config().draft_vocab is want
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"inputs": [str(shard)], "output": str(tmp_path / "o2"),
+                                   "model": tiny_llama, "drafts": {"default": draft},
+                                   "draft_vocab": False}))
+    config = JobSpec.build(config=str(job)).engine_config()
+    assert config.draft_vocab is False
+    llm = LLM.from_config(config)
+    assert llm.engine.proposers["default"].runner.model.head_rows is None

@@ -69,6 +69,9 @@ JOB_OPTIONS = [
                  envvar="BATCHSPEC_ADAPTIVE_K",
                  help="Per step, draft the k (0..-k) with the most expected tokens/s, from "
                       "costs measured at start-up [fixed k]."),
+    click.option("--draft-vocab/--whole-draft-vocab", "draft_vocab", default=None,
+                 help="Drafts with a draft_vocab.json score only its tokens (`batchspec "
+                      "draft-vocab`), or every token [draft vocab]."),
     click.option("--suffix-seed", metavar="DIR",
                  help="Output directory of an earlier run whose outputs seed the job-wide "
                       "suffix drafts (e.g. last night's); needs a suffix draft."),

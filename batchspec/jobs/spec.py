@@ -48,6 +48,7 @@ class JobSpec:
     min_acceptance: float | None = None
     max_spec_temperature: float | None = None
     adaptive_k: bool = False          # per step, the k with the most expected tokens/s
+    draft_vocab: bool = True          # drafts score only their draft_vocab.json's tokens
     prefix_caching: bool = True       # share the KV of identical prompt prefixes
     max_attempts: int = 3             # deliveries of a shard before it is marked failed
     output_format: str = "parquet"    # openai: also OUT/openai/{output,errors}.jsonl
@@ -127,7 +128,8 @@ class JobSpec:
                             num_speculative_tokens=self.num_speculative_tokens,
                             confidence_threshold=self.confidence_threshold,
                             device=device or self.device, dtype=self.dtype, seed=self.seed,
-                            adaptive_k=self.adaptive_k, tensor_parallel_size=tp,
+                            adaptive_k=self.adaptive_k, draft_vocab=self.draft_vocab,
+                            tensor_parallel_size=tp,
                             enable_prefix_caching=self.prefix_caching, **extra)
 
     def to_dict(self) -> dict:
