@@ -1,6 +1,7 @@
 """A draft's vocabulary (batchspec.spec.draft_vocab): its output layer scores part of the
 vocabulary; outputs stay exact, greedy and sampled; bad files fail fast; the command."""
 import json
+import os
 import shutil
 
 import pytest
@@ -79,39 +80,91 @@ def test_a_bad_file_fails_fast(tiny_llama, tiny_draft, tmp_path, content, messag
 
 
 def test_the_command_counts_prompts_and_outputs(tiny_llama, tiny_draft, tmp_path):
+    """What a job reads (a directory of Parquet inputs, prompts and chat messages), a run's
+    outputs (their text) and a text file are counted; the file is what the engine reads."""
     import polars as pl
+
+    from batchspec.models.loader import load_tokenizer
     _register()
+    tok = load_tokenizer(tiny_draft)
     draft = str(shutil.copytree(tiny_draft, tmp_path / "draft"))
-    shard = tmp_path / "shard.parquet"
-    pl.DataFrame({"prompt": ["def foo(x):\n    return x"] * 3,
-                  "text": ["import os", None, "x = 1"]}).write_parquet(shard)
+    (tmp_path / "in").mkdir()
+    pl.DataFrame({"prompt": ["def foo(x):\n    return x"] * 3}).write_parquet(
+        tmp_path / "in" / "a.parquet")
+    pl.DataFrame({"messages": [[{"role": "user", "content": "zebra quiz"}]]}).write_parquet(
+        tmp_path / "in" / "b.parquet")
+    outputs = tmp_path / "outputs.parquet"
+    pl.DataFrame({"text": ["import os", None, "x = 1"]}).write_parquet(outputs)
     notes = tmp_path / "notes.txt"
     notes.write_text("The quick brown fox")
-    run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data", str(shard), "--data",
-                                   str(notes), "--size", "8"])
+    data = [str(tmp_path / "in"), str(outputs), str(notes)]
+    texts = ["def foo(x):\n    return x", "zebra quiz", "import os", "x = 1",
+             "The quick brown fox"]
+    seen = {t for text in texts for t in tok(text, add_special_tokens=False)["input_ids"]}
+
+    def draft_vocab_cmd(*args):
+        return CliRunner().invoke(cli, ["draft-vocab", draft, *args])
+
+    run = draft_vocab_cmd(*[a for d in data for a in ("--data", d)], "--size", "8")
     assert run.exit_code == 0, run.output
     about = json.load(open(draft_vocab.path_of(draft)))
     ids = draft_vocab.load(draft, 512)
     assert ids == about["token_ids"] and 8 <= len(ids) <= 9   # and end of sequence
-    assert about["data"] == ["shard.parquet", "notes.txt"] and about["covered"] < 1.0
+    assert set(ids) - {0} <= seen and about["data"] == data and about["covered"] < 1.0
     llm = LLM(tiny_llama, drafts={"default": draft}, device="cpu")
     assert llm.engine.proposers["default"].runner.model.head_rows.tolist() == ids
     # --coverage 1.0 keeps every counted token; --remove goes back to the whole vocabulary
-    run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data", str(shard),
-                                   "--coverage", "1.0"])
+    run = draft_vocab_cmd(*[a for d in data for a in ("--data", d)], "--coverage", "1.0")
     assert run.exit_code == 0 and json.load(open(draft_vocab.path_of(draft)))["covered"] == 1.0
-    assert CliRunner().invoke(cli, ["draft-vocab", draft, "--remove"]).exit_code == 0
+    assert seen <= set(draft_vocab.load(draft, 512))
+    assert draft_vocab_cmd("--remove").exit_code == 0
     assert draft_vocab.load(draft, 512) is None
-    # bad input: one line, no traceback
+
+
+def test_the_command_on_bad_input(tiny_draft, tmp_path):
+    """A damaged row group is skipped and said so, the rest counted; an unreadable file, a
+    file with nothing to count, a missing input and a file that cannot be written: one line
+    each, no traceback, and nothing half written."""
+    import polars as pl
+    import pyarrow.parquet as pq
+    _register()
+    draft = str(shutil.copytree(tiny_draft, tmp_path / "draft"))
+
+    def draft_vocab_cmd(*args):
+        run = CliRunner().invoke(cli, ["draft-vocab", draft, *args])
+        assert run.exception is None or isinstance(run.exception, SystemExit), run.output
+        return run
+
+    two = tmp_path / "two.parquet"
+    pl.DataFrame({"prompt": ["alpha beta"] * 50 + ["gamma delta"] * 50}).write_parquet(
+        two, row_group_size=50, compression="uncompressed", statistics=False)
+    at = pq.ParquetFile(two).metadata.row_group(1).column(0).data_page_offset
+    data = bytearray(two.read_bytes())
+    data[at:at + 24] = b"\xff" * 24   # the second row group's page header, byte by byte
+    two.write_bytes(bytes(data))
+    run = draft_vocab_cmd("--data", str(two), "--coverage", "1.0")
+    assert run.exit_code == 0, run.output
+    assert "row group 1 skipped" in run.output
+    assert json.load(open(draft_vocab.path_of(draft)))["counted_tokens"] > 0
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"PAR1 not really")
-    run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data", str(bad)])
-    assert run.exit_code != 0 and "not a readable Parquet file" in run.output
+    run = draft_vocab_cmd("--data", str(bad))
+    assert run.exit_code == 1 and "not a readable Parquet file" in run.output
     pl.DataFrame({"other": ["x"]}).write_parquet(tmp_path / "other.parquet")
-    run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data",
-                                   str(tmp_path / "other.parquet")])
-    assert run.exit_code != 0 and "no prompt, text or messages column" in run.output
-    assert run.exception is None or isinstance(run.exception, SystemExit)
+    run = draft_vocab_cmd("--data", str(tmp_path / "other.parquet"))
+    assert run.exit_code == 1 and "no prompt, messages or text to count" in run.output
+    assert "no tokens were counted" in run.output
+    run = draft_vocab_cmd("--data", str(tmp_path / "missing.parquet"))
+    assert run.exit_code == 1 and "does not exist" in run.output
+    # the list cannot be written (here: a directory in its place); the old file stays
+    os.remove(draft_vocab.path_of(draft))
+    os.mkdir(draft_vocab.path_of(draft))
+    run = draft_vocab_cmd("--data", str(tmp_path / "two.parquet"))
+    assert run.exit_code == 1 and "cannot write" in run.output
+    assert os.path.isdir(draft_vocab.path_of(draft))
+    assert sorted(os.listdir(draft)) == sorted(os.listdir(tiny_draft) + ["draft_vocab.json"])
+    assert draft_vocab_cmd().exit_code == 2   # no --data: a usage error
+
 
 
 def test_choose_keeps_the_most_frequent_and_fills_from_the_lowest_ids():

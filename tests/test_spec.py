@@ -145,7 +145,7 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
             if t > 0:
                 outside = torch.ones(o.probs.shape[-1], dtype=torch.bool)
                 outside[rows] = False
-                assert float(o.probs[:, outside].sum()) < 1e-30
+                assert bool((o.probs[:, outside] == 0).all())
 
     target = model_factory("llama", seed=2, hidden_size=128, num_heads=2, num_kv_heads=1)
     kw = dict(drafts={"default": draft}, num_speculative_tokens=4, device="cpu",

@@ -176,9 +176,10 @@ def read_shard(shard: Shard, columns: list[str] | None = None) -> pa.Table:
     return table.slice(shard.start - first, shard.num_rows)
 
 
-def iter_column(path: str, name: str):
+def iter_column(path: str, name: str, on_skip=None):
     """(row, value) of one column of a file, row group by row group; a row group that
-    cannot be read is skipped (the shards that need it fail when they run)."""
+    cannot be read is skipped (the shards that need it fail when they run), and
+    on_skip(row group, error) told of it where given."""
     if openai_batch.is_openai_batch(path):
         yield from openai_batch.iter_column(path, name)
         return
@@ -190,8 +191,10 @@ def iter_column(path: str, name: str):
         n = pf.metadata.row_group(i).num_rows
         try:
             values = pf.read_row_group(i, columns=[name]).column(0).to_pylist()
-        except (OSError, ValueError, OverflowError, pa.ArrowException):
+        except (OSError, ValueError, OverflowError, pa.ArrowException) as e:
             values = None
+            if on_skip is not None:
+                on_skip(i, e)
         if values is not None:
             yield from enumerate(values, row)
         row += n

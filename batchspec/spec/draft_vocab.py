@@ -97,8 +97,13 @@ def write(model_dir: str, ids: list[int], about: dict) -> str:
     """Write model_dir's draft vocabulary (ids and how they were counted); its path."""
     path = path_of(model_dir)
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**about, "size": len(ids), "token_ids": ids}, f)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:   # whole or not at all: a reader never sees half a list
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({**about, "size": len(ids), "token_ids": ids}, f)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return path

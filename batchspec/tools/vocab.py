@@ -9,36 +9,42 @@ import click
 
 from batchspec.spec import draft_vocab
 
-TEXT_COLUMNS = ("prompt", "text")   # prompts, and the outputs of earlier runs
+TEXT_COLUMNS = ("prompt", "messages", "text")   # inputs, and the outputs of earlier runs
 
 
-def texts_of(paths: list[str], limit: int) -> Iterator[str]:
-    """Up to `limit` texts: the prompt and text (output) columns of Parquet files, with the
-    contents of chat messages; a file of any other kind is one text."""
+def texts_of(inputs: list[str], limit: int) -> Iterator[str]:
+    """Up to `limit` texts from what a job reads (Parquet files, directories, globs, URLs,
+    OpenAI Batch files: jobs/shards.py's expand_inputs) and its outputs: the prompt, text
+    and chat messages' contents, row group by row group (a damaged one is skipped, and
+    said so); any other file is one text."""
+    from batchspec.jobs import openai_batch
+    from batchspec.jobs.shards import expand_inputs, iter_column
+    try:
+        files = expand_inputs(inputs)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
     n = 0
-    for path in paths:
-        if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
+    for path in files:
+        if path.endswith(".parquet") or openai_batch.is_openai_batch(path):
+            def skipped(group, e, path=path):
+                click.echo(f"{path}: row group {group} skipped, unreadable ({e})", err=True)
+            before = n
             try:
-                f = pq.ParquetFile(path)
-            except Exception as e:  # noqa: BLE001 - any unreadable file: say which
-                raise click.ClickException(f"{path}: not a readable Parquet file ({e})") from None
-            names = set(f.schema_arrow.names)
-            cols = [c for c in (*TEXT_COLUMNS, "messages") if c in names]
-            if not cols:
-                raise click.ClickException(f"{path}: no prompt, text or messages column")
-            for batch in f.iter_batches(columns=cols, batch_size=4096):
-                for row in batch.to_pylist():
-                    for c in cols:
-                        value = row[c]
-                        found = [m.get("content") for m in value if isinstance(m, dict)] \
-                            if c == "messages" and isinstance(value, list) else [value]
-                        for text in found:
-                            if isinstance(text, str) and text:
-                                yield text
-                                n += 1
-                                if n >= limit:
-                                    return
+                values = (value for column in TEXT_COLUMNS
+                          for _, value in iter_column(path, column, skipped))
+                for value in values:
+                    found = [m.get("content") for m in value if isinstance(m, dict)] \
+                        if isinstance(value, list) else [value]
+                    for text in found:
+                        if isinstance(text, str) and text:
+                            yield text
+                            n += 1
+                            if n >= limit:
+                                return
+            except ValueError as e:   # not a readable Parquet file (shards._open_parquet)
+                raise click.ClickException(str(e)) from None
+            if n == before:
+                click.echo(f"{path}: no prompt, messages or text to count", err=True)
         else:
             try:
                 with open(path, encoding="utf-8", errors="replace") as fh:
@@ -53,9 +59,9 @@ def texts_of(paths: list[str], limit: int) -> Iterator[str]:
 @click.command("draft-vocab")
 @click.argument("draft", type=click.Path(exists=True, file_okay=False))
 @click.option("--data", "paths", multiple=True,
-              type=click.Path(exists=True, dir_okay=False),
-              help="Text to count, repeatable: Parquet shards (prompt, text and messages "
-              "columns: a job's prompts, and last run's outputs) or text files.")
+              help="Text to count, repeatable: what a job reads (Parquet files, directories, "
+              "globs, URLs, OpenAI Batch files; their prompt and messages columns), a run's "
+              "outputs (their text column), or text files.")
 @click.option("--size", type=click.IntRange(min=1), help="Tokens to keep (the most frequent; "
               "default: a quarter of the vocabulary, at least 1,024).")
 @click.option("--coverage", type=click.FloatRange(0.0, 1.0, min_open=True),
@@ -95,9 +101,13 @@ def draft_vocab_cmd(draft, paths, size, coverage, max_texts, remove):
                                           always=eos)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    where = draft_vocab.write(draft, ids, {
-        "counted_tokens": sum(counts.values()), "covered": round(covered, 4),
-        "data": [os.path.basename(p) for p in paths]})
+    try:
+        where = draft_vocab.write(draft, ids, {
+            "counted_tokens": sum(counts.values()), "covered": round(covered, 4),
+            "data": list(paths)})
+    except OSError as e:
+        raise click.ClickException(f"cannot write {draft_vocab.path_of(draft)}: "
+                                   f"{e.strerror or e}") from None
     click.echo(f"wrote {where}: {len(ids)} of {V} tokens, {covered:.1%} of the "
                f"{sum(counts.values()):,} counted")
 
