@@ -155,6 +155,11 @@ class EngineConfig:
                 raise FileNotFoundError(
                     f"draft for domain {domain!r}: {path!r} is not a directory (give a "
                     f"Hugging Face model directory, 'ngram', 'suffix' or DIR+ngram|suffix)")
+        if self.draft_vocab:   # a bad list fails here, where a job is submitted
+            from batchspec.spec import draft_vocab
+            for value in self.drafts.values():
+                if (path := draft_sources(value)[0]) not in LOOKUP_SOURCES:
+                    draft_vocab.load(path)
         if not os.path.isdir(self.model):
             raise FileNotFoundError(
                 f"model {self.model!r} is not a directory: give a Hugging Face model "

@@ -77,6 +77,13 @@ def test_a_bad_file_fails_fast(tiny_llama, tiny_draft, tmp_path, content, messag
     with pytest.raises(ValueError, match=message) as e:
         LLM(tiny_llama, drafts={"default": draft}, device="cpu")
     assert "draft_vocab.json" in str(e.value)
+    # where a job is built (submit, run): before any worker loads it
+    from batchspec.jobs.spec import JobSpec
+    job = dict(inputs=[str(tmp_path / "in.parquet")], output=str(tmp_path / "out"),
+               model=tiny_llama, drafts={"default": draft})
+    with pytest.raises(ValueError, match=message):
+        JobSpec(**job)
+    assert JobSpec(**job, draft_vocab=False).engine_config().draft_vocab is False
 
 
 def test_the_command_counts_prompts_and_outputs(tiny_llama, tiny_draft, tmp_path):

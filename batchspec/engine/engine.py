@@ -15,7 +15,7 @@ from batchspec.engine.distributed import make_target_runner
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.scheduler import ScheduledSeq, Scheduler
 from batchspec.engine.sequence import Sequence
-from batchspec.models.loader import load_tokenizer, read_config
+from batchspec.models.loader import load_tokenizer
 from batchspec.spec import draft_vocab
 from batchspec.spec.policy import PROMPT_TIMED, SpecPolicy, StepCosts
 from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
@@ -185,13 +185,10 @@ class Engine:
 
     def _draft_vocab(self, path: str) -> torch.Tensor | None:
         """The ids a draft's output layer scores (its draft_vocab.json), or None: all."""
-        if not self.config.draft_vocab:
-            return None
-        vocab_size = read_config(path).vocab_size
-        ids = draft_vocab.load(path, vocab_size)
+        ids = draft_vocab.load(path) if self.config.draft_vocab else None
         if ids is None:
             return None
-        log.info("draft %s scores %d of its %d tokens (%s)", path, len(ids), vocab_size,
+        log.info("draft %s scores %d tokens of its vocabulary (%s)", path, len(ids),
                  draft_vocab.FILE)
         return torch.tensor(ids, dtype=torch.long)
 

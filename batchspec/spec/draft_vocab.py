@@ -27,12 +27,20 @@ def path_of(model_dir: str) -> str:
     return os.path.join(model_dir, FILE)
 
 
-def load(model_dir: str, vocab_size: int) -> list[int] | None:
+def load(model_dir: str, vocab_size: int | None = None) -> list[int] | None:
     """The ids of model_dir's draft vocabulary (sorted), or None where it has none. A file
-    that is not a list of distinct ids below vocab_size raises ValueError saying so."""
+    that is not a list of distinct ids below vocab_size (default: config.json's) raises
+    ValueError saying so. Plain JSON, no torch: EngineConfig checks it where a job is
+    submitted, so a bad list fails there and not in every worker."""
     path = path_of(model_dir)
     if not os.path.isfile(path):
         return None
+    if vocab_size is None:
+        try:
+            with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+                vocab_size = int(json.load(f)["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None   # not a model directory: the model's loading says so
     try:
         with open(path, encoding="utf-8") as f:
             ids = json.load(f)["token_ids"]
