@@ -381,6 +381,31 @@ def test_a_try_measures_at_least_try_min_s(step_s, measured):
     assert sides[EXPLORE - 1:EXPLORE + measured + 1] == [True] * (measured + 1) + [False]
 
 
+@pytest.mark.parametrize("step_s,measured", [(0.003, 3), (0.0022, 12)])
+def test_a_try_of_plain_far_behind_ends_after_try_steps(step_s, measured):
+    """While speculation leads, a try of plain whose first TRY_STEPS measured steps run
+    below TRY_MARGIN of speculation's measured pace ends there, however short its steps (at
+    one row, three plain steps of 3 ms left no doubt where TRY_MIN_S took twelve); one
+    close behind runs on to TRY_MIN_S (at most MAX_TRY_STEPS)."""
+    from batchspec.spec.policy import FAR_EXPLORE, MAX_TRY_STEPS
+    policy = make_policy(flat(lambda b, q: 0.001 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    # speculation measured 2000 tokens/s (1.5x slower than its predictions), plain as
+    # predicted: speculation leads, plain far behind
+    policy.measured = {True: [12.0, 0.004, 12.0, 0.006], False: [4.0, 0.004, 4.0, 0.004]}
+    policy._winner = True
+    tried = []
+    for _ in range(FAR_EXPLORE + MAX_TRY_STEPS + 4):
+        if policy.plain_step(seqs, 4):
+            if policy._chosen[3]:
+                tried.append(step_s)
+            policy.observe(step_s, 4)     # 4 tokens in step_s: 1333 or 1818 tokens/s
+        else:
+            policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+    assert len(tried) == measured
+    assert policy._winner is True
+
+
 def test_a_try_of_speculation_drafts_only_for_rows_whose_drafts_are_not_far_behind():
     """While plain leads, a model draft has not seen its rows' latest tokens: a try drafts
     for the rows least behind, within CATCH_UP_PER_ROW tokens per row in all, not for a row

@@ -37,6 +37,8 @@ class SpecState:
     # draft before it was accepted (the policy's per-request acceptance estimates; counts
     # that decay with each round, policy.REQUEST_DECAY)
     source_depth: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    pool_keys: dict[str, tuple] = field(default_factory=dict)  # source -> the policy's keys
+    #                                 of its pooled estimates for this row (_pool_keys)
     skipped_by_confidence: int = 0
     fallback_triggered: bool = False
     window: deque = field(default_factory=deque)  # (drafted, accepted) of recent rounds

@@ -40,8 +40,9 @@ MAX_P = 0.98
 # is below TRY_MARGIN of the leader's is tried only every FAR_EXPLORE steps. A try runs
 # TRY_STEPS measured steps (one step's time is noisy on a shared machine), and more, up to
 # MAX_TRY_STEPS, until they add up to TRY_MIN_S (three steps of 2.5 ms at 8 rows told
-# sides 5% apart from each other by chance); one more runs first, unmeasured (see
-# choose_lengths).
+# sides 5% apart from each other by chance), unless a try of plain measures it below
+# TRY_MARGIN of speculation's pace by then (_plain_far_behind); one more runs first,
+# unmeasured (see choose_lengths).
 EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.8, 3
 TRY_MIN_S, MAX_TRY_STEPS = 0.03, 12
 # Tries are also held to a budget: what they cost beyond the leading side's measured time
@@ -162,14 +163,21 @@ class StepCosts:
             self._windows[b] = w
         return w
 
+    def draft_list(self, name: str, num_rows: int) -> list[float]:
+        """[c] = draft_s(name, c) for c = 0 .. num_rows."""
+        key = (name, num_rows, "s")
+        m = self._marginal.get(key)
+        if m is None:
+            m = self._marginal[key] = [self.draft_s(name, c) for c in range(num_rows + 1)]
+        return m
+
     def draft_marginal_s(self, name: str, num_rows: int) -> np.ndarray:
         """[c] = the cost of one more row in a forward of draft `name` over c rows, for
         c < num_rows."""
         key = (name, num_rows)
         m = self._marginal.get(key)
         if m is None:
-            m = self._marginal[key] = np.diff([self.draft_s(name, c)
-                                               for c in range(num_rows + 1)])
+            m = self._marginal[key] = np.diff(self.draft_list(name, num_rows))
         return m
 
     def draft_marginal_list(self, name: str, num_rows: int) -> list[float]:
@@ -319,8 +327,13 @@ class SpecPolicy:
         """Keys of the source's pooled estimates that seq counts in and reads: over all
         domains and for seq's domain, both at seq's temperature (to 0.1; acceptance falls
         steeply with it, so rows sampled at another temperature say little)."""
+        cached = seq.spec.pool_keys.get(source)
+        if cached is not None and cached[0] is seq.params and cached[1] == seq.domain:
+            return cached[2]
         t = temperature_bucket(seq)
-        return (source, t), (source, t, seq.domain)
+        keys = (source, t), (source, t, seq.domain)
+        seq.spec.pool_keys[source] = (seq.params, seq.domain, keys)
+        return keys
 
     def depth_probs(self, seq: Sequence, source: str, n: int,
                     classes: list[int] | None = None) -> list[float]:
@@ -545,14 +558,20 @@ class SpecPolicy:
                   lengths: list[int]) -> dict[str, float]:
         """Each model draft's predicted seconds for these lengths by the start-up costs: a
         forward per depth over the rows drafting that deep."""
-        counts: dict[tuple[str, int], int] = {}
+        by_source: dict[str, list[int]] = {}
         for (_, src, _, is_model), n in zip(rows, lengths):
-            if is_model:
-                for d in range(n):
-                    counts[(src, d)] = counts.get((src, d), 0) + 1
+            if is_model and n:
+                by_source.setdefault(src, []).append(n)
         pred: dict[str, float] = {}
-        for (src, _), c in counts.items():
-            pred[src] = pred.get(src, 0.0) + self.costs.draft_s(src, c)
+        for src, ns in by_source.items():
+            table = self.costs.draft_list(src, len(rows))
+            ns.sort(reverse=True)
+            total, c = 0.0, len(ns)
+            for d in range(ns[0]):          # rows drafting at depth d: those longer than d
+                while ns[c - 1] <= d:
+                    c -= 1
+                total += table[c]
+            pred[src] = total
         return pred
 
     def observe_draft(self, name: str, seconds: float) -> None:
@@ -664,17 +683,21 @@ class SpecPolicy:
         # (by survival alone, routed rows' model drafts at 32 rows came first, and the
         # plans they made no longer beat plain).
         sources = {(src, is_model) for _, src, _, is_model in rows}
-        if len(sources) > 1:
-            token_s = costs.verified_token_s(num_rows) + 1e-12
-            unit = {src: token_s + (costs.draft_row_s(src, len(rows)) * self.draft_scale(src)
-                                    if is_model else 0.0)
-                    for src, is_model in sources}
-            keyed = [(-sp / unit[rows[i][1]], d, i, j)
-                     for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
+        if row[-1] == row[0]:     # one row: its slots in order of depth (survival falls)
+            order = list(range(len(survive)))
         else:
-            keyed = [(-sp, d, i, j) for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
-        keyed.sort()     # (row, depth) pairs are unique: the slot's index never decides
-        order = [j for _, _, _, j in keyed]
+            if len(sources) > 1:
+                token_s = costs.verified_token_s(num_rows) + 1e-12
+                unit = {src: token_s + (costs.draft_row_s(src, len(rows)) *
+                                        self.draft_scale(src) if is_model else 0.0)
+                        for src, is_model in sources}
+                keyed = [(-sp / unit[rows[i][1]], d, i, j)
+                         for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
+            else:
+                keyed = [(-sp, d, i, j)
+                         for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
+            keyed.sort()     # (row, depth) pairs are unique: the slot's index never decides
+            order = [j for _, _, _, j in keyed]
         # each model draft's cost grows with the rows it runs at each depth: a slot at
         # depth d adds one row to its source's forward at d
         # (scaled by what the draft's calls measured against their predictions)
@@ -874,10 +897,6 @@ class SpecPolicy:
         if tried:
             self._try_measured += 1
             self._try_s += seconds
-            self._fresh = self._try_measured >= MAX_TRY_STEPS or \
-                (self._try_measured >= TRY_STEPS and self._try_s >= TRY_MIN_S)
-            if not self._fresh and not self._try_left:
-                self._try_left = 1          # the try goes on
             w = 1 / self._try_measured
         else:
             usual = m[3] / m[1] * pred_s       # this step's time at the side's usual ratio
@@ -885,3 +904,20 @@ class SpecPolicy:
             w = max(weight, 1 / n)
         for i, v in enumerate((pred_tokens, pred_s, tokens, seconds)):
             m[i] += w * (v - m[i])
+        if tried:
+            self._fresh = self._try_measured >= MAX_TRY_STEPS or \
+                (self._try_measured >= TRY_STEPS and
+                 (self._try_s >= TRY_MIN_S or not speculate and self._plain_far_behind()))
+            if not self._fresh and not self._try_left:
+                self._try_left = 1          # the try goes on
+
+    def _plain_far_behind(self) -> bool:
+        """Whether a try of plain has measured it below TRY_MARGIN of speculation's measured
+        tokens per second: the try ends after TRY_STEPS measured steps, however short. At
+        one row a step takes about 3 ms, so TRY_MIN_S took MAX_TRY_STEPS plain steps (a
+        twelfth of a job of 16 rows of 64 tokens, at half speculation's pace), where the
+        first three left no doubt. A try of speculation runs its steps in full: it drafts
+        for some rows only (_behind), and its rate is not yet what it makes once it leads."""
+        plain, spec = self.measured.get(False), self.measured.get(True)
+        return plain is not None and spec is not None and \
+            plain[2] / plain[3] < TRY_MARGIN * spec[2] / spec[3]
