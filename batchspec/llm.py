@@ -68,8 +68,6 @@ class LLM:
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
-        self._cost = {name: (p.num_params / self.engine.target.num_params)
-                      for name, p in self.engine.proposers.items()}
 
     # ---- inputs ------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -214,7 +212,7 @@ class LLM:
             seq, target=c.model, draft_path=draft_path,
             k_max=c.num_speculative_tokens if name else 0,
             confidence_threshold=c.confidence_threshold,
-            cost_ratio=self._cost.get(name, 0.0) if name else 0.0)
+            cost_ratio=self.engine.cost_ratio(name) if name else 0.0)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason or "abort",

@@ -145,6 +145,13 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
         assert r["num_prompts"] == 2 * r["batch_size"]   # two full batches a cell
     spec = [r for r in rows if r["method"] == "spec-domain" and r["temperature"] == 0.0]
     assert all(0 < r["alpha"] < 1 and "observed_over_theoretical" in r for r in spec)
+    # rows of model drafts carry their cost ratio (the code draft is the target: c = 1)
+    from batchspec.tools.bench import LOOKUP_METHODS
+    for r in rows:
+        if r["method"] in ("spec-domain", "spec-adaptive"):
+            assert 0.5 < r["cost_ratio"] < 1
+        elif r["method"] in ("plain", "hf", "hf-assisted", *LOOKUP_METHODS):
+            assert "cost_ratio" not in r
 
 
 def test_bench_fresh_prompts_has_every_run_compute_its_prompts(tiny_llama):

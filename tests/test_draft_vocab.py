@@ -7,7 +7,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from batchspec import LLM, SamplingParams
+from batchspec import LLM, SamplingParams, contract
 from batchspec.cli import _register, cli
 from batchspec.spec import draft_vocab
 from tests.test_spec import GREEDY, PROMPTS, assert_follows, engine_joint, noisy_copy
@@ -38,6 +38,16 @@ def test_greedy_outputs_do_not_change(tiny_llama, tmp_path):
     # draft_vocab=False: the whole vocabulary, every draft accepted
     whole = LLM(tiny_llama, drafts={"default": draft}, draft_vocab=False, **kw)
     assert whole.engine.proposers["default"].runner.model.head_rows is None
+    # the cost ratio (records' theoretical speedup) leaves out the rows the draft skips
+    with open(os.path.join(tiny_llama, "config.json")) as f:
+        cfg = json.load(f)
+    params = llm.engine.target.num_params
+    left_out = (cfg["vocab_size"] - len(ids)) * cfg["hidden_size"]
+    assert llm.engine.cost_ratio("default") == pytest.approx((params - left_out) / params)
+    assert whole.engine.cost_ratio("default") == pytest.approx(1.0)
+    s = contract.summarize(contract.totals([outs[0].stats]))
+    assert outs[0].stats["speedup_theoretical"] == pytest.approx(contract.speedup_theoretical(
+        s["token_acceptance_prob"], 4, llm.engine.cost_ratio("default")))
 
 
 @pytest.mark.slow

@@ -317,7 +317,7 @@ class Engine:
                 self._draft(alt, group)
                 for s in group:
                     if self.policy.prefer_lookup(
-                            s.seq, name, alt, s.num_drafts, self._cost_ratio(name),
+                            s.seq, name, alt, s.num_drafts, self.cost_ratio(name),
                             s.proposal.classes if s.proposal is not None else None,
                             len(sampling)):
                         s.source = alt
@@ -375,7 +375,10 @@ class Engine:
             groups.setdefault(s.source, []).append(s)
         return groups
 
-    def _cost_ratio(self, name: str) -> float:
+    def cost_ratio(self, name: str) -> float:
+        """c of draft `name`, the records' and the routing's price of a draft pass: the
+        parameters its step computes with over the target's (ModelRunner.num_params; a
+        draft vocabulary's left-out rows not counted); 0 for lookup sources."""
         return self.proposers[name].num_params / self.target.num_params
 
     def _draft(self, name: str, rows: list[ScheduledSeq]) -> None:

@@ -29,8 +29,13 @@ class ModelRunner:
         self.device = torch.device(device)
         self.cfg = read_config(path)
         weights = Checkpoint(path)
+        # the parameters a step computes with (the cost ratio's, Engine.cost_ratio): the
+        # checkpoint's, a tied output layer once, less the output layer's rows that a
+        # draft's vocabulary leaves out
         self.num_params = weights.num_params(
             skip=("lm_head.weight",) if self.cfg.tie_word_embeddings else ())
+        if head_rows is not None:
+            self.num_params -= (self.cfg.vocab_size - head_rows.numel()) * self.cfg.hidden_size
         self.model = LlamaForCausalLM(self.cfg, weights, DTYPES[dtype], self.device, tp,
                                       head_rows)
         del weights

@@ -204,9 +204,21 @@ def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype, **e
                adaptive_k=method.endswith(("-adaptive", "-routed")), **engine)
 
 
+def draft_cost(llm) -> float:
+    """The cost ratio c of a method's model drafts (the mean over them: the demo's are of
+    one size and vocabulary), as its records price them (Engine.cost_ratio); 0 without."""
+    if llm is None:
+        return 0.0
+    costs = [llm.engine.cost_ratio(name) for name, p in llm.engine.proposers.items()
+             if p.num_params]
+    return sum(costs) / len(costs) if costs else 0.0
+
+
 def finish_row(row, k, cost):
     from batchspec.contract import speedup_theoretical, summarize
     row["tok_s"] = round(row["tokens"] / row["wall_s"], 1)
+    if cost:
+        row["cost_ratio"] = round(cost, 4)
     t = row.pop("totals", None)
     shares = row.pop("round_shares", (1.0, 1.0))
     if t and t["total_drafted"]:
@@ -329,8 +341,6 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
     tok = hfref.load_tokenizer(models["target"])
     prompt_ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
-    cost = num_parameters(models["draft"]) / num_parameters(models["target"]) \
-        if models["draft"] else 0.0
     # One thread count for every method; by default the engine's own choice for this target.
     from batchspec.engine.engine import SMALL_MODEL_PARAMS
     if threads is None and num_parameters(models["target"]) < SMALL_MODEL_PARAMS:
@@ -390,7 +400,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 row = {"method": method, "batch_size": b, "temperature": t,
                        "num_prompts": len(prompt_ids), **best,
                        "runs_tok_s": [round(r["tokens"] / r["wall_s"], 1) for r in res]}
-                rows.append(finish_row(row, k, 0.0 if method in LOOKUP_METHODS else cost))
+                rows.append(finish_row(row, k, draft_cost(llms.get(method))))
                 click.echo(f"{method} B={b} T={t}: {rows[-1]['tok_s']} tok/s "
                            f"(runs {row['runs_tok_s']})", err=True)
     add_speedups(rows)
@@ -406,7 +416,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 "k": k, "dtype": dtype, "confidence_threshold": threshold, "repeats": repeats,
                 "turns": turns, "slice_ms": slice_ms if turns == "steps" else None,
                 "fresh_prompts": fresh_prompts,
-                "cost_ratio": round(cost, 4), "rows": rows}
+                "rows": rows}
         with open(json_path, "w") as f:
             json.dump(info, f, indent=1)
 
