@@ -165,7 +165,9 @@ def step_refine(name: str, domain: str, minutes: float):
     --time-budget 600 --seed 1` does. The first stage (step_distill, 512 prompts) had left
     the code draft at KL 0.15; this stage took it to 0.11, and its α from 0.68 to 0.78
     (docs/benchmarks.md, thirty-third round). The draft's weights are replaced, its
-    report is its refine.json."""
+    report is its refine.json. The first stage's weights are not kept: with --force the
+    step distills the draft once more, from its current weights (to redo both stages,
+    force the domain draft's step too)."""
     from batchspec.tools.distill import distill_draft
     path = os.path.join(MODELS, name)
     out = build_path(f"{name}-refined")

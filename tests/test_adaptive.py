@@ -381,6 +381,23 @@ def test_a_try_measures_at_least_try_min_s(step_s, measured):
     assert sides[EXPLORE - 1:EXPLORE + measured + 1] == [True] * (measured + 1) + [False]
 
 
+def test_a_drafts_levels_are_priced_by_the_rows_drafting_at_each_depth():
+    """A model draft's predicted call (what observe_draft measures against): a forward per
+    depth over the rows still drafting that deep, per source; lookup rows and rows that
+    draft nothing cost no draft forward."""
+    policy = make_policy(flat(lambda b, q: 0.01 * b),
+                         {"d": [1e-3, 2e-3, 9e-3], "e": [5e-3, 6e-3, 7e-3]})
+    seqs = rows_with(policy, 6, "d", 0.9)
+    rows = [(seqs[0], "d", 4, True), (seqs[1], "d", 4, True), (seqs[2], "e", 4, True),
+            (seqs[3], "d", 4, True), (seqs[4], "look", 4, False), (seqs[5], "e", 4, True)]
+    d, e = (lambda c: policy.costs.draft_s("d", c)), (lambda c: policy.costs.draft_s("e", c))
+    # d's rows draft 3, 1 and 0 tokens: 2 rows at depth 0, 1 at depths 1 and 2
+    # e's rows draft 2 and 2 tokens: 2 rows at depths 0 and 1
+    assert policy._levels_s(rows, [3, 1, 2, 0, 4, 2]) == {
+        "d": pytest.approx(d(2) + d(1) + d(1)), "e": pytest.approx(2 * e(2))}
+    assert policy._levels_s(rows, [0, 0, 0, 0, 4, 0]) == {}
+
+
 @pytest.mark.parametrize("step_s,measured", [(0.003, 3), (0.0022, 12)])
 def test_a_try_of_plain_far_behind_ends_after_try_steps(step_s, measured):
     """While speculation leads, a try of plain whose first TRY_STEPS measured steps run
