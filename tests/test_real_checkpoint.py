@@ -112,8 +112,11 @@ def test_sampled_ngram_speculation_is_exact(smol):
     from transformers import AutoModelForCausalLM
     llm = LLM(smol, drafts={"default": "ngram"}, num_speculative_tokens=1, device="cpu",
               min_acceptance=0.0)
-    # a plain-text pattern, so that the n-gram proposer finds token 1 earlier in the prompt
-    prompt = llm.encode("one two three one two three one two three one two")
+    # a plain-text pattern, so that the n-gram proposer finds token 1 earlier in the prompt;
+    # 17 tokens, so that the rows after the first read the prompt's first block from the
+    # prefix cache (with 11 tokens every row computed its prompt: 114 s, now about 25 s)
+    prompt = llm.encode("one two three " * 5 + "one two")
+    assert len(prompt) > llm.config.block_size
     temperature, top_k, n = 1.0, 4, 1000
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, seed=s,
                              ignore_eos=True) for s in range(n)]
