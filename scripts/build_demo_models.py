@@ -158,16 +158,18 @@ def step_distill(name: str, init: str, domain: str | None, minutes: float, num_p
 REFINE_PROMPTS, REFINE_SEED = 2048, 1
 
 
-def step_refine(name: str, domain: str, minutes: float):
-    """A domain draft distilled further, from itself, on REFINE_PROMPTS other training
-    prompts of its domain (seed REFINE_SEED), its α measured before and after on held-out
-    prompts of the corpus: what `batchspec distill --init DRAFT --domain D --num-prompts 2048
-    --time-budget 600 --seed 1` does. The first stage (step_distill, 512 prompts) had left
-    the code draft at KL 0.15; this stage took it to 0.11, and its α from 0.68 to 0.78
-    (docs/benchmarks.md, thirty-third round). The draft's weights are replaced where α did
-    not fall; its report is its refine.json ("replaced" says which). The first stage's
-    weights are not kept: with --force the step distills the draft once more, from its
-    current weights (to redo both stages, force the domain draft's step too)."""
+def step_refine(name: str, domain: str | None, minutes: float):
+    """A draft distilled further, from itself, on REFINE_PROMPTS other training prompts of
+    its domain (domain None: of both, for the general draft; seed REFINE_SEED), its α
+    measured before and after on held-out prompts of the corpus: what `batchspec distill
+    --init DRAFT [--domain D] --num-prompts 2048 --time-budget 600 --seed 1` does. The first
+    stage (step_distill, 512 prompts) had left the code draft at KL 0.15; this stage took it
+    to 0.11, and its α from 0.68 to 0.78 (docs/benchmarks.md, thirty-third round). The
+    draft's weights are replaced where α did not fall; its report is its refine.json
+    ("replaced" says which). The first stage's weights are not kept: with --force the step
+    distills the draft once more, from its current weights (to redo both stages, force the
+    draft's own step too). The general draft's stage runs after the domain drafts', which
+    start from its first stage."""
     from batchspec.tools.distill import distill_draft
     path = os.path.join(MODELS, name)
     out = build_path(f"{name}-refined")
@@ -254,6 +256,8 @@ STEPS = {
                           lambda: step_refine("draft-code", "code", OPTS["refine_minutes"])),
     "draft-docs-refine": (lambda: os.path.join(MODELS, "draft-docs", "refine.json"),
                           lambda: step_refine("draft-docs", "docs", OPTS["refine_minutes"])),
+    "draft-refine": (lambda: os.path.join(MODELS, "draft", "refine.json"),
+                     lambda: step_refine("draft", None, OPTS["refine_minutes"])),
     "draft-vocab": (lambda: os.path.join(MODELS, "draft-docs", "draft_vocab.json"),
                     step_draft_vocab),
     "eval": (lambda: build_path("alpha.json"), step_eval),
