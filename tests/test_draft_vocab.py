@@ -197,7 +197,8 @@ def test_choose_keeps_the_most_frequent_and_fills_from_the_lowest_ids():
 
 def test_a_job_may_score_every_token(tiny_llama, tiny_draft, tmp_path):
     """`--whole-draft-vocab` (run, submit) and `draft_vocab: false` in a job file reach the
-    engine: its drafts score every token despite their draft_vocab.json."""
+    engine: its drafts score every token despite their draft_vocab.json. Told nothing, a job
+    uses the list where its temperature is 0 and every token where it samples."""
     import click
     import yaml
 
@@ -215,14 +216,21 @@ def test_a_job_may_score_every_token(tiny_llama, tiny_draft, tmp_path):
     shard.write_bytes(b"")   # (the spec only names it)
     args = [str(shard), "-o", str(tmp_path / "out"), "--model", tiny_llama,
             "--draft", f"default={draft}"]
-    for extra, want in (([], True), (["--whole-draft-vocab"], False), (["--draft-vocab"], True)):
+    sampled = ["--temperature", "0.8"]
+    for extra, want in (([], True), (["--whole-draft-vocab"], False), (["--draft-vocab"], True),
+                        (sampled, False), (sampled + ["--draft-vocab"], True),
+                        (sampled + ["--whole-draft-vocab"], False)):
         assert CliRunner().invoke(probe, args + extra).exit_code == 0
-        assert got["spec"].engine_config().draft_vocab is want
+        assert got["spec"].engine_config().draft_vocab is want, extra
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"inputs": [str(shard)], "output": str(tmp_path / "o2"),
                                    "model": tiny_llama, "drafts": {"default": draft},
                                    "draft_vocab": False}))
     config = JobSpec.build(config=str(job)).engine_config()
     assert config.draft_vocab is False
+    job.write_text(yaml.safe_dump({"inputs": [str(shard)], "output": str(tmp_path / "o3"),
+                                   "model": tiny_llama, "drafts": {"default": draft},
+                                   "temperature": 0.7}))
+    assert JobSpec.build(config=str(job)).engine_config().draft_vocab is False
     llm = LLM.from_config(config)
     assert llm.engine.proposers["default"].runner.model.head_rows is None
