@@ -84,6 +84,16 @@ def rank_devices(device: str, size: int) -> list[str]:
     return [f"cuda:{int(index or 0) + r}" for r in range(size)]
 
 
+def draft_vocab_for(temperature: float) -> bool:
+    """Whether drafts at this temperature should score only their draft_vocab.json's tokens,
+    where nobody said: greedy, yes; sampled, no. Sampled, the target picks a token outside
+    the list about as often as the text uses one: at T = 0.8 the demo code draft's α was
+    0.48 with its list of 1,024 tokens and 0.55 without, and speculation at one row 1.43x
+    plain against 1.62x; at T = 0 the list gained 1.8% (docs/benchmarks.md). Jobs
+    (JobSpec.uses_draft_vocab) and `batchspec bench` ask it."""
+    return temperature == 0
+
+
 def check_device(device: str) -> None:
     """Raise ValueError, saying what to do, for a device this process cannot use."""
     import re

@@ -148,10 +148,13 @@ def test_replay_windows_counts_rounds_like_the_engine():
 def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_parquet, tmp_path):
     pytest.importorskip("batchspec.spec.verify")
     from batchspec.tools.bench import METHODS, bench
+    from tests.test_draft_vocab import with_vocab
     out = tmp_path / "bench.json"
+    # the docs draft scores half the vocabulary: at T = 0 only, as a job's draft would
+    docs_draft = with_vocab(tiny_draft, tmp_path / "docs-draft", list(range(0, 512, 2)))
     result = CliRunner().invoke(bench, [
         "--target", tiny_llama, "--draft", tiny_draft, "--draft-code", tiny_llama,
-        "--draft-docs", tiny_draft, "--data", prompts_parquet, "--max-tokens", "8",
+        "--draft-docs", docs_draft, "--data", prompts_parquet, "--max-tokens", "8",
         "--batch-sizes", "1,2", "--temperatures", "0,0.8", "--num-prompts", "1",
         "--min-batches", "2", "--fresh-prompts", "--json", str(out)])
     assert result.exit_code == 0, result.output
@@ -169,9 +172,15 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
     from batchspec.tools.bench import LOOKUP_METHODS
     for r in rows:
         if r["method"] in ("spec-domain", "spec-adaptive"):
-            assert 0.5 < r["cost_ratio"] < 1
+            assert 0.4 < r["cost_ratio"] < 1
         elif r["method"] in ("plain", "hf", "hf-assisted", *LOOKUP_METHODS):
             assert "cost_ratio" not in r
+    # the docs draft's list at T = 0, its whole vocabulary at T = 0.8 (a larger c)
+    c = {(r["batch_size"], r["temperature"]): r["cost_ratio"] for r in rows
+         if r["method"] == "spec-domain"}
+    assert all(c[(b, 0.0)] < c[(b, 0.8)] for b in (1, 2)), c
+    assert all(r["draft_vocab"] is (r["temperature"] == 0) for r in rows
+               if r["method"].startswith("spec"))
 
 
 def test_bench_fresh_prompts_has_every_run_compute_its_prompts(tiny_llama):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from batchspec.config import SUFFIX, EngineConfig, draft_sources
+from batchspec.config import SUFFIX, EngineConfig, draft_sources, draft_vocab_for
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.sampling import SamplingParams
 
@@ -136,10 +136,9 @@ class JobSpec:
 
     def uses_draft_vocab(self) -> bool:
         """Whether the job's drafts score only their draft_vocab.json's tokens: as told, else
-        where the job's temperature is 0. At T = 0.8 the demo code draft's α was 0.48 with its
-        list of 1,024 tokens and 0.55 without, and speculation at one row 1.43x plain against
-        1.62x; at T = 0 the list gained 1.8%."""
-        return self.draft_vocab if self.draft_vocab is not None else self.temperature == 0
+        by the job's temperature (config.draft_vocab_for)."""
+        return self.draft_vocab if self.draft_vocab is not None else \
+            draft_vocab_for(self.temperature)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

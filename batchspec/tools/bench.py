@@ -23,7 +23,9 @@ batchspec methods take turns in slices of steps (--turns steps, the default: eac
 for --slice-ms, then the next, and a method's time is the sum of its own steps'; an engine
 whose job is done keeps stepping, untimed, until the last is done), so that even a slow
 stretch shorter than a run lands on all of them alike; --turns runs runs each method's whole
-job in turn. transformers methods always run whole runs in turn."""
+job in turn. transformers methods always run whole runs in turn. Model drafts score their
+draft_vocab.json's tokens at T = 0 and every token above, as a job's do (config.draft_vocab_for;
+rows of spec methods say which in `draft_vocab`)."""
 from __future__ import annotations
 
 import json
@@ -36,6 +38,7 @@ from functools import partial
 import click
 import torch
 
+from batchspec.config import draft_vocab_for
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.llm import freeze_heap
 from batchspec.tools import hfref
@@ -360,11 +363,16 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
         # the first prompts of one pool: a larger batch's cell runs a superset of a smaller's
         prompt_ids, domains = all_ids[:cell_size(b)], all_domains[:cell_size(b)]
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
-        llms = None      # (the last cell's engines go before this cell's load)
-        llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(), dtype)
-                for m in cell_methods if m not in ("hf", "hf-assisted")}
-        freeze_heap()    # a full collection's pause lands on whichever method allocated
+        llms, vocab = None, None
         for t in temperatures:
+            if llms is None or draft_vocab_for(t) != vocab:
+                # model drafts score their lists' tokens or every token as a job at t does
+                vocab = draft_vocab_for(t)
+                llms = None      # (the last engines go before these load)
+                llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(),
+                                    dtype, draft_vocab=vocab)
+                        for m in cell_methods if m not in ("hf", "hf-assisted")}
+                freeze_heap()    # a full collection's pause lands on whichever method allocated
             runs = {}
             for method in cell_methods:
                 if method == "hf":
@@ -400,6 +408,8 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                 row = {"method": method, "batch_size": b, "temperature": t,
                        "num_prompts": len(prompt_ids), **best,
                        "runs_tok_s": [round(r["tokens"] / r["wall_s"], 1) for r in res]}
+                if method.startswith("spec"):
+                    row["draft_vocab"] = vocab
                 rows.append(finish_row(row, k, draft_cost(llms.get(method))))
                 click.echo(f"{method} B={b} T={t}: {rows[-1]['tok_s']} tok/s "
                            f"(runs {row['runs_tok_s']})", err=True)
