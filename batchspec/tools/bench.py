@@ -363,15 +363,17 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
         # the first prompts of one pool: a larger batch's cell runs a superset of a smaller's
         prompt_ids, domains = all_ids[:cell_size(b)], all_domains[:cell_size(b)]
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
-        llms, vocab = None, None
+        llms, vocab = {}, None    # (the last cell's engines go before this cell's load)
         for t in temperatures:
-            if llms is None or draft_vocab_for(t) != vocab:
-                # model drafts score their lists' tokens or every token as a job at t does
+            if not llms or draft_vocab_for(t) != vocab:
+                # model drafts score their lists' tokens or every token as a job at t does;
+                # engines without a model draft are kept
                 vocab = draft_vocab_for(t)
-                llms = None      # (the last engines go before these load)
-                llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(),
-                                    dtype, draft_vocab=vocab)
-                        for m in cell_methods if m not in ("hf", "hf-assisted")}
+                llms = {m: e for m, e in llms.items() if not m.startswith("spec")}
+                llms.update({m: make_llm(m, models, b, k, seed, threshold,
+                                         torch.get_num_threads(), dtype, draft_vocab=vocab)
+                             for m in cell_methods
+                             if m not in ("hf", "hf-assisted", *llms)})
                 freeze_heap()    # a full collection's pause lands on whichever method allocated
             runs = {}
             for method in cell_methods:
