@@ -89,8 +89,8 @@ def draft_vocab_for(temperature: float) -> bool:
     where nobody said: greedy, yes; sampled, no. Sampled, the target picks a token outside
     the list about as often as the text uses one: at T = 0.8 the demo code draft's α was
     0.48 with its list of 1,024 tokens and 0.55 without, and speculation at one row 1.43x
-    plain against 1.62x; at T = 0 the list gained 1.8% (docs/benchmarks.md). Jobs
-    (JobSpec.uses_draft_vocab) and `batchspec bench` ask it."""
+    plain against 1.62x; at T = 0 the list gained 1.8% (docs/benchmarks.md). The engine
+    asks it for each row (Engine.source_for) where its config leaves the choice open."""
     return temperature == 0
 
 
@@ -120,8 +120,10 @@ class EngineConfig:
                                                           # "suffix" or "DIR+ngram|suffix"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     confidence_threshold: float = 0.0
-    draft_vocab: bool = True          # a draft whose directory has draft_vocab.json scores
-                                      # only those tokens (batchspec.spec.draft_vocab)
+    draft_vocab: bool | None = None   # a draft whose directory has draft_vocab.json scores
+                                      # only those tokens (batchspec.spec.draft_vocab) for
+                                      # every row (True), none (False), or for each row
+                                      # whose temperature is 0 (None: draft_vocab_for)
     device: str = "auto"              # auto | cpu | cuda | cuda:N; with tensor parallelism
                                       # one device per rank ("cuda:0,cuda:1"), or the first
                                       # one (cuda:N: ranks on cuda:N, cuda:N+1, ...)
@@ -165,7 +167,7 @@ class EngineConfig:
                 raise FileNotFoundError(
                     f"draft for domain {domain!r}: {path!r} is not a directory (give a "
                     f"Hugging Face model directory, 'ngram', 'suffix' or DIR+ngram|suffix)")
-        if self.draft_vocab:   # a bad list fails here, where a job is submitted
+        if self.draft_vocab is not False:   # a bad list fails here, where a job is submitted
             from batchspec.spec import draft_vocab
             for value in self.drafts.values():
                 if (path := draft_sources(value)[0]) not in LOOKUP_SOURCES:

@@ -212,7 +212,7 @@ class LLM:
             seq, target=c.model, draft_path=draft_path,
             k_max=c.num_speculative_tokens if name else 0,
             confidence_threshold=c.confidence_threshold,
-            cost_ratio=self.engine.cost_ratio(name) if name else 0.0)
+            cost_ratio=self.engine.cost_ratio(seq.spec.source) if name else 0.0)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason or "abort",

@@ -1,11 +1,15 @@
 """The drafts' vocabularies (draft_vocab.json: their output layers score the 1,024 most
 frequent tokens) against their whole vocabularies, in one process, on the demo models: a
-plain engine and two engines of one method, one with draft_vocab=False, take turns step by
-step (batchspec.tools.bench.run_engines_in_turns), so that a stretch in which a shared
-machine runs slower lands on all three alike. Prints each round's speedup over plain of
-both, tokens a pass, and the medians of the rounds after the first (which warms them).
+plain engine and engines of one method, with draft_vocab=True (every row drafts through the
+list), False (none does) and, with --per-row, None (each row by its temperature: the default),
+take turns step by step (batchspec.tools.bench.run_engines_in_turns), so that a stretch in
+which a shared machine runs slower lands on all of them alike. Prints each round's speedup
+over plain of each, tokens a pass, and the medians of the rounds after the first (which warms
+them). --temperature takes a list, which the rows take in turn (a job whose rows set their
+own).
 
     python benchmarks/draft_vocab_ab.py --batch-size 1 --domain code --repeats 4
+    python benchmarks/draft_vocab_ab.py --batch-size 8 --temperature 0,0.8 --per-row
 """
 from __future__ import annotations
 
@@ -24,13 +28,18 @@ def main() -> int:
     ap.add_argument("--method", default="spec-domain", help="a model-draft method of "
                     "batchspec bench (default spec-domain)")
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", default="0",
+                    help="one temperature, or a comma-separated list the rows take in turn")
+    ap.add_argument("--per-row", action="store_true",
+                    help="also an engine that chooses per row (draft_vocab None)")
     ap.add_argument("--domain", help="only prompts of this domain")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="default: max(32, 8 x batch size)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args()
+    temps = [float(t) for t in args.temperature.split(",")]
+    temperature = temps[0] if len(temps) == 1 else temps
     if not args.method.startswith("spec"):
         ap.error(f"{args.method} has no model draft: give a method starting with spec")
     sys.path.insert(0, ROOT)
@@ -48,16 +57,19 @@ def main() -> int:
     domains = [p["domain"] for p in prompts]
     dtype = default_dtype(models["target"], "cpu")    # as batchspec bench runs the demo
     llms = {"plain": make_llm("plain", models, args.batch_size, 4, 0, 0.0, 1, dtype),
-            "draft vocab": make_llm(args.method, models, args.batch_size, 4, 0, 0.0, 1, dtype),
+            "draft vocab": make_llm(args.method, models, args.batch_size, 4, 0, 0.0, 1, dtype,
+                                    draft_vocab=True),
             "whole vocab": make_llm(args.method, models, args.batch_size, 4, 0, 0.0, 1, dtype,
                                     draft_vocab=False)}
+    if args.per_row:
+        llms["per row"] = make_llm(args.method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
     sizes = {name: sorted({p.runner.model.head_size for p in llm.engine.proposers.values()})
              for name, llm in llms.items() if name != "plain"}
     print(f"{args.method}, B={args.batch_size}, T={args.temperature}, {dtype}, logits a "
           f"draft scores {sizes}: x plain, paired (tokens a pass)")
-    speedups: dict[str, list[float]] = {"draft vocab": [], "whole vocab": []}
+    speedups: dict[str, list[float]] = {name: [] for name in llms if name != "plain"}
     for r in range(args.repeats + 1):
-        res = run_engines_in_turns(llms, ids, domains=domains, temperature=args.temperature,
+        res = run_engines_in_turns(llms, ids, domains=domains, temperature=temperature,
                                    max_tokens=args.max_tokens)
         ratios = {name: res[name]["tokens"] / res[name]["wall_s"]
                   / (res["plain"]["tokens"] / res["plain"]["wall_s"]) for name in speedups}

@@ -142,7 +142,8 @@ def main():
         columns.append((totals, steps, tokens, wall))
         if args.draft_after_target and not after and any(
                 isinstance(p, DraftModelProposer) for p in llm.engine.proposers.values()):
-            after.append(lambda llm=llm: draft_after_target(llm, args.batch_size, args.k))
+            after.append(lambda llm=llm: draft_after_target(llm, args.batch_size, args.k,
+                                                            args.temperature))
         del llm
     print(f"batch size {args.batch_size}, T={args.temperature}, {dtype}, {len(ids)} prompts, "
           f"{args.max_tokens} new tokens each; ms per step (ms per token)")
@@ -159,13 +160,15 @@ def main():
         check()
 
 
-def draft_after_target(llm, rows: int, k: int, ctx: int = 150, blocks: int = 15) -> None:
+def draft_after_target(llm, rows: int, k: int, temperature: float, ctx: int = 150,
+                       blocks: int = 15) -> None:
     """A model draft's round of k steps over `rows` rows (one C++ call where the draft has
     it), timed back to back and right after a target forward of rows x (k + 1) tokens, as
     in the engine's steps: blocks of 10 calls in turns, the median call of each way."""
     eng = llm.engine
-    runner = next((p.runner for p in eng.proposers.values()
-                   if isinstance(p, DraftModelProposer)), None)
+    runner = next((eng.proposers[eng.source_for(name, temperature)].runner
+                   for name in eng.config.drafts
+                   if isinstance(eng.proposers[name], DraftModelProposer)), None)
     if runner is None:
         return
     bs = eng.config.block_size

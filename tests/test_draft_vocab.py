@@ -22,13 +22,22 @@ def with_vocab(src, dst, ids) -> str:
 def test_greedy_outputs_do_not_change(tiny_llama, tmp_path):
     """The target as its own draft, scoring a quarter of the vocabulary: outputs are plain
     decoding's; every drafted token is one of the list's, so rounds whose next token is
-    outside it are rejected there (acceptance below 1)."""
+    outside it are rejected there (acceptance below 1). Told nothing, the engine drafts
+    greedy rows through the list (a second proposer beside the draft's whole one); with
+    draft_vocab=True the draft has the list alone."""
     ids = list(range(0, 512, 4))
     draft = with_vocab(tiny_llama, tmp_path / "draft", ids)
     plain = LLM(tiny_llama, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
     kw = dict(num_speculative_tokens=4, device="cpu", min_acceptance=0.0)
     llm = LLM(tiny_llama, drafts={"default": draft}, **kw)
-    assert llm.engine.proposers["default"].runner.model.head_size == len(ids)
+    assert llm.engine.source_for("default", 0.0) == "default+vocab"
+    assert llm.engine.proposers["default+vocab"].runner.model.head_size == len(ids)
+    assert llm.engine.proposers["default"].runner.model.head_rows is None
+    only = LLM(tiny_llama, drafts={"default": draft}, draft_vocab=True, **kw)
+    assert only.engine.source_for("default", 0.0) == "default"
+    assert only.engine.proposers["default"].runner.model.head_size == len(ids)
+    assert [o.token_ids for o in only.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
+        [o.token_ids for o in plain]
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for p, o in zip(plain, outs):
         assert o.token_ids == p.token_ids
@@ -43,11 +52,55 @@ def test_greedy_outputs_do_not_change(tiny_llama, tmp_path):
         cfg = json.load(f)
     params = llm.engine.target.num_params
     left_out = (cfg["vocab_size"] - len(ids)) * cfg["hidden_size"]
-    assert llm.engine.cost_ratio("default") == pytest.approx((params - left_out) / params)
+    assert llm.engine.cost_ratio("default+vocab") == pytest.approx((params - left_out) / params)
+    assert only.engine.cost_ratio("default") == pytest.approx((params - left_out) / params)
+    assert llm.engine.cost_ratio("default") == pytest.approx(1.0)
     assert whole.engine.cost_ratio("default") == pytest.approx(1.0)
     s = contract.summarize(contract.totals([outs[0].stats]))
     assert outs[0].stats["speedup_theoretical"] == pytest.approx(contract.speedup_theoretical(
-        s["token_acceptance_prob"], 4, llm.engine.cost_ratio("default")))
+        s["token_acceptance_prob"], 4, llm.engine.cost_ratio("default+vocab")))
+
+
+def test_each_row_chooses_by_its_temperature(tiny_llama, tmp_path):
+    """Told nothing, rows of one batch choose per row: greedy rows draft through the list's
+    proposer, sampled rows through the draft's whole vocabulary; the two share the model's
+    weights and KV cache. Greedy rows' outputs are still plain decoding's, and each row's
+    record prices its drafts with the cost ratio of the proposer it took."""
+    ids = list(range(0, 512, 4))
+    draft = with_vocab(tiny_llama, tmp_path / "draft", ids)
+    prompts = PROMPTS * 2
+    params = [GREEDY] * len(PROMPTS) + [
+        SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=i)
+        for i in range(len(PROMPTS))]
+    plain = LLM(tiny_llama, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(tiny_llama, drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
+              min_acceptance=0.0)
+    engine = llm.engine
+    whole, cut = engine.proposers["default"].runner, engine.proposers["default+vocab"].runner
+    assert whole.kv_caches is cut.kv_caches and whole.model.layers is cut.model.layers
+    served: dict[str, set[str]] = {"default": set(), "default+vocab": set()}
+    for name in served:   # which rows each proposer drafts for, and what it drafts
+        proposer = engine.proposers[name]
+
+        def propose(rows, name=name, inner=proposer.propose):
+            got = inner(rows)
+            served[name].update(seq.request_id for seq, _ in rows)
+            if name == "default+vocab":
+                assert all(t in ids for p in got for t in p.token_ids)
+            return got
+        proposer.propose = propose
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    greedy = {str(i) for i in range(len(PROMPTS))}
+    assert served["default+vocab"] == greedy
+    assert served["default"] == {str(i) for i in range(len(PROMPTS), len(prompts))}
+    for p, o in zip(plain, outs):
+        assert o.token_ids == p.token_ids
+    for o in outs:
+        s = contract.summarize(contract.totals([o.stats]))
+        c = engine.cost_ratio("default+vocab" if o.request_id in greedy else "default")
+        assert o.stats["speedup_theoretical"] == pytest.approx(
+            contract.speedup_theoretical(s["token_acceptance_prob"], 4, c))
+    assert engine.cost_ratio("default+vocab") < engine.cost_ratio("default")
 
 
 @pytest.mark.slow
@@ -60,7 +113,7 @@ def test_speculative_sampling_is_exact_with_a_draft_vocabulary(model_factory, tm
     draft = noisy_copy(target, str(tmp_path / "noisy"), scale=0.7)
     draft = with_vocab(draft, tmp_path / "draft", [0, 2, 3])
     llm = LLM(target, drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
-              dtype="float32", min_acceptance=0.0)
+              dtype="float32", min_acceptance=0.0, draft_vocab=True)   # (sampled rows too)
     prompt, n = [1, 2, 3], 6000
     params = [SamplingParams(temperature=temperature, max_tokens=3, seed=s) for s in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
@@ -129,7 +182,7 @@ def test_the_command_counts_prompts_and_outputs(tiny_llama, tiny_draft, tmp_path
     assert ids == about["token_ids"] and 8 <= len(ids) <= 9   # and end of sequence
     assert set(ids) - {0} <= seen and about["data"] == data and about["covered"] < 1.0
     llm = LLM(tiny_llama, drafts={"default": draft}, device="cpu")
-    assert llm.engine.proposers["default"].runner.model.head_rows.tolist() == ids
+    assert llm.engine.proposers["default+vocab"].runner.model.head_rows.tolist() == ids
     # --coverage 1.0 keeps every counted token; --remove goes back to the whole vocabulary
     run = draft_vocab_cmd(*[a for d in data for a in ("--data", d)], "--coverage", "1.0")
     assert run.exit_code == 0 and json.load(open(draft_vocab.path_of(draft)))["covered"] == 1.0
@@ -197,8 +250,8 @@ def test_choose_keeps_the_most_frequent_and_fills_from_the_lowest_ids():
 
 def test_a_job_may_score_every_token(tiny_llama, tiny_draft, tmp_path):
     """`--whole-draft-vocab` (run, submit) and `draft_vocab: false` in a job file reach the
-    engine: its drafts score every token despite their draft_vocab.json. Told nothing, a job
-    uses the list where its temperature is 0 and every token where it samples."""
+    engine: its drafts score every token despite their draft_vocab.json. Told nothing, the
+    engine chooses per row (None)."""
     import click
     import yaml
 
@@ -217,8 +270,8 @@ def test_a_job_may_score_every_token(tiny_llama, tiny_draft, tmp_path):
     args = [str(shard), "-o", str(tmp_path / "out"), "--model", tiny_llama,
             "--draft", f"default={draft}"]
     sampled = ["--temperature", "0.8"]
-    for extra, want in (([], True), (["--whole-draft-vocab"], False), (["--draft-vocab"], True),
-                        (sampled, False), (sampled + ["--draft-vocab"], True),
+    for extra, want in (([], None), (["--whole-draft-vocab"], False), (["--draft-vocab"], True),
+                        (sampled, None), (sampled + ["--draft-vocab"], True),
                         (sampled + ["--whole-draft-vocab"], False)):
         assert CliRunner().invoke(probe, args + extra).exit_code == 0
         assert got["spec"].engine_config().draft_vocab is want, extra
@@ -231,6 +284,8 @@ def test_a_job_may_score_every_token(tiny_llama, tiny_draft, tmp_path):
     job.write_text(yaml.safe_dump({"inputs": [str(shard)], "output": str(tmp_path / "o3"),
                                    "model": tiny_llama, "drafts": {"default": draft},
                                    "temperature": 0.7}))
-    assert JobSpec.build(config=str(job)).engine_config().draft_vocab is False
+    assert JobSpec.build(config=str(job)).engine_config().draft_vocab is None
     llm = LLM.from_config(config)
     assert llm.engine.proposers["default"].runner.model.head_rows is None
+    assert llm.engine.source_for("default", 0.0) == "default" and \
+        "default+vocab" not in llm.engine.proposers

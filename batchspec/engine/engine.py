@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from batchspec.config import NGRAM, SUFFIX, EngineConfig, draft_sources
+from batchspec.config import NGRAM, SUFFIX, EngineConfig, draft_sources, draft_vocab_for
 from batchspec.contract import Request, request_seed
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.distributed import make_target_runner
@@ -40,6 +40,10 @@ class Engine:
         self.proposers: dict[str, DraftModelProposer | NgramProposer | SuffixProposer] = {}
         self.routes: dict[str, str] = {}   # model draft -> the lookup source routed with it
         self.source_label: dict[str, str] = {}  # proposer -> its path, "ngram" or "suffix"
+        # model draft -> the proposer of its draft_vocab.json's tokens, for the rows that
+        # score them while others score every token (draft_vocab None: by each row's
+        # temperature; source_for)
+        self.vocab_sources: dict[str, str] = {}
         runners: dict[str, ModelRunner] = {}
         for name, value in c.drafts.items():
             path, *lookup = draft_sources(value)
@@ -51,7 +55,8 @@ class Engine:
                 continue
             if path not in runners:
                 runners[path] = ModelRunner(path, c.devices[0], c.dtype, c.attention_backend,
-                                            head_rows=self._draft_vocab(path))
+                                            head_rows=self._draft_vocab(path)
+                                            if c.draft_vocab else None)
                 self._check_draft(path, runners[path])
                 runners[path].use_int8_head()   # a draft's logits may round (CPU: VNNI, AVX2)
             self.proposers[name] = DraftModelProposer(runners[path], c.confidence_threshold)
@@ -74,6 +79,8 @@ class Engine:
             self.max_model_len = capacity
         for r in all_runners:
             r.allocate_kv_cache(num_blocks, c.block_size)
+        if c.draft_vocab is None:
+            self._add_vocab_sources(runners)
         self.policy = SpecPolicy(c, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
@@ -84,6 +91,33 @@ class Engine:
         self._drafting: tuple[int, list[Sequence], bool, tuple] = (-1, [], False, ())
         if c.adaptive_k and k > 0:
             self.policy.costs = self.measure_step_costs()
+
+    def _add_vocab_sources(self, runners: dict[str, ModelRunner]) -> None:
+        """Beside each model draft with a draft_vocab.json, a proposer that scores only its
+        tokens: the same model and KV cache with a cut output layer
+        (ModelRunner.scoring_only), so a row may draft through either."""
+        cut: dict[str, ModelRunner | None] = {}
+        for name in [n for n, p in self.proposers.items() if isinstance(p, DraftModelProposer)]:
+            path = self.source_label[name]
+            if path not in cut:
+                ids = self._draft_vocab(path)
+                cut[path] = None if ids is None else runners[path].scoring_only(ids)
+            if cut[path] is None:
+                continue
+            vocab = self.vocab_sources[name] = f"{name}+vocab"
+            self.proposers[vocab] = DraftModelProposer(cut[path],
+                                                       self.config.confidence_threshold)
+            self.source_label[vocab] = path
+            if name in self.routes:
+                self.routes[vocab] = self.routes[name]
+
+    def source_for(self, draft: str | None, temperature: float) -> str | None:
+        """The proposer that drafts for a row of model draft `draft` at this temperature:
+        where the draft has a list and the engine chooses per row (draft_vocab None), the
+        list's proposer if the row samples greedily (config.draft_vocab_for), else the
+        draft's own."""
+        vocab = self.vocab_sources.get(draft)
+        return vocab if vocab is not None and draft_vocab_for(temperature) else draft
 
     def _add_lookup(self, name: str, kind: str) -> None:
         c = self.config
@@ -124,11 +158,12 @@ class Engine:
             return (lambda: runner.forward(*args).sum().item()), 1, runner.device
 
         runs = {("target", q, b): timed(self.target, b, q) for q in range(1, k + 2) for b in grid}
-        paths: dict[str, list[str]] = {}    # draft path -> the drafts that load it
+        # a draft model's runner (its whole or cut output layer) -> the proposers it serves
+        served: dict[int, list[str]] = {}
         for name, runner in runners.items():
-            if runner.path not in paths:
-                runs.update({(runner.path, b): timed(runner, b, 1, draft=True) for b in grid})
-            paths.setdefault(runner.path, []).append(name)
+            if id(runner) not in served:
+                runs.update({(id(runner), b): timed(runner, b, 1, draft=True) for b in grid})
+            served.setdefault(id(runner), []).append(name)
         # the largest batch of one-token rows and, beside it, a prompt of its last logit only
         # (its table is the first row's: the KV it writes is never read)
         prompt = min(PROMPT_TIMED, ctx)
@@ -155,9 +190,9 @@ class Engine:
                 best[key] = min(best[key], (time.perf_counter() - t0) / steps)
         for q in range(1, k + 2):
             costs.target[q] = [best["target", q, b] for b in grid]
-        for path, names in paths.items():
+        for key, names in served.items():
             for name in names:
-                costs.draft[name] = [best[path, b] for b in grid]
+                costs.draft[name] = [best[key, b] for b in grid]
         costs.prompt_token_s = max(0.0, best["prompt"] - best["target", 1, max_b]) / prompt
         costs.smooth()
         log.info("step costs (ms) at B=%s: target %s; drafts %s; a prompt token %.4f", grid,
@@ -185,7 +220,7 @@ class Engine:
 
     def _draft_vocab(self, path: str) -> torch.Tensor | None:
         """The ids a draft's output layer scores (its draft_vocab.json), or None: all."""
-        ids = draft_vocab.load(path) if self.config.draft_vocab else None
+        ids = draft_vocab.load(path)
         if ids is None:
             return None
         log.info("draft %s scores %d tokens of its vocabulary (%s)", path, len(ids),
@@ -240,6 +275,7 @@ class Engine:
         seq = Sequence(self._next_id, request.request_id, ids, params, seed, request.domain)
         self._next_id += 1
         seq.spec.draft = self.policy.draft_for(request.domain, params.temperature)
+        seq.spec.source = self.source_for(seq.spec.draft, params.temperature)
         proposer = self.proposers.get(seq.spec.draft)
         if isinstance(proposer, DraftModelProposer):  # its KV cache shares the block table
             seq.spec.draft_cache = proposer.runner.path
@@ -308,7 +344,7 @@ class Engine:
         lookups = self.policy.costs is not None and \
             any(s.seq.spec.draft in self.lookup_fed for s in rows)
         for s in rows:
-            s.source = s.seq.spec.draft
+            s.source = s.seq.spec.source
         is_model = {name: isinstance(p, DraftModelProposer) for name, p in self.proposers.items()}
         # lookups first: they are cheap, and what they find bounds their rows
         for name, group in self._by_source(rows).items():

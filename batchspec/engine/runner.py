@@ -3,6 +3,7 @@ tokens into batch tensors and runs the forward pass. Used for the target and eac
 tensor-parallel target runs one per rank (batchspec.engine.distributed)."""
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -35,7 +36,7 @@ class ModelRunner:
         self.num_params = weights.num_params(
             skip=("lm_head.weight",) if self.cfg.tie_word_embeddings else ())
         if head_rows is not None:
-            self.num_params -= (self.cfg.vocab_size - head_rows.numel()) * self.cfg.hidden_size
+            self.num_params -= self._rows_left_out(head_rows)
         self.model = LlamaForCausalLM(self.cfg, weights, DTYPES[dtype], self.device, tp,
                                       head_rows)
         del weights
@@ -46,19 +47,43 @@ class ModelRunner:
         self.block_size = 16
         self._steps = False   # (op, weights, dims, caches) of draft_steps, or False: not here
 
+    def _rows_left_out(self, head_rows: torch.Tensor) -> int:
+        """Parameters of the output layer's rows that a draft's vocabulary leaves out."""
+        return (self.cfg.vocab_size - head_rows.numel()) * self.cfg.hidden_size
+
+    def _head_weight(self) -> torch.Tensor:
+        """The whole output layer [vocab, hidden]: the embedding where tied, else read from
+        the checkpoint."""
+        weights = None if self.cfg.tie_word_embeddings else Checkpoint(self.path)
+        w = self.model.embed if weights is None or "lm_head.weight" not in weights else \
+            weights.get("lm_head.weight")
+        return w[:self.cfg.vocab_size]
+
     def use_int8_head(self) -> bool:
         """A draft's output layer in int8 (LlamaForCausalLM.use_int8_head); whether it
         took. An untied layer is read from the checkpoint only if it does."""
         def head() -> torch.Tensor:
-            weights = None if self.cfg.tie_word_embeddings else Checkpoint(self.path)
-            w = self.model.embed if weights is None or "lm_head.weight" not in weights else \
-                weights.get("lm_head.weight")
-            w = w[:self.cfg.vocab_size]
+            w = self._head_weight()
             return w if self.model.head_rows is None else w[self.model.head_rows]
         took = self.model.use_int8_head(head)
         if self.kv_caches is not None:
             self._find_draft_steps()
         return took
+
+    def scoring_only(self, head_rows: torch.Tensor) -> ModelRunner:
+        """This draft's runner with an output layer that scores only head_rows (its
+        vocabulary; LlamaForCausalLM.scoring_only): the weights and the KV cache are this
+        runner's, shared, so a row may draft through either; the layer is in int8 where
+        this runner's is. Made once the KV cache exists."""
+        assert self.kv_caches is not None, "allocate_kv_cache first"
+        runner = copy.copy(self)
+        runner.model = self.model.scoring_only(head_rows, self._head_weight())
+        runner.num_params = self.num_params - self._rows_left_out(head_rows)
+        if self.model.int8_head is not None:
+            runner.use_int8_head()          # (finds its draft steps)
+        else:
+            runner._find_draft_steps()
+        return runner
 
     @property
     def steps_in_one_call(self) -> bool:

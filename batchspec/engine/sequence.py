@@ -21,6 +21,7 @@ class Status(enum.Enum):
 class SpecState:
     """Speculation bookkeeping of one sequence (feeds its acceptance record)."""
     draft: str | None = None          # name of the draft serving this sequence; None: plain
+    source: str | None = None         # the proposer its draft's rounds take (Engine.source_for)
     draft_cache: str | None = None    # key of the draft KV cache it fills (the draft model's
                                       # path); None: no draft model (plain or n-gram)
     num_draft_computed: int = 0       # tokens whose KV is in the draft's cache

@@ -71,8 +71,8 @@ JOB_OPTIONS = [
                       "costs measured at start-up [fixed k]."),
     click.option("--draft-vocab/--whole-draft-vocab", "draft_vocab", default=None,
                  help="Drafts with a draft_vocab.json score only its tokens (`batchspec "
-                      "draft-vocab`), or every token [draft vocab where --temperature is 0, "
-                      "every token where it is above]."),
+                      "draft-vocab`), or every token [per row: its tokens for rows at "
+                      "temperature 0, every token for rows above]."),
     click.option("--suffix-seed", metavar="DIR",
                  help="Output directory of an earlier run whose outputs seed the job-wide "
                       "suffix drafts (e.g. last night's); needs a suffix draft."),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from batchspec.config import SUFFIX, EngineConfig, draft_sources, draft_vocab_for
+from batchspec.config import SUFFIX, EngineConfig, draft_sources
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
 from batchspec.sampling import SamplingParams
 
@@ -48,7 +48,7 @@ class JobSpec:
     min_acceptance: float | None = None
     max_spec_temperature: float | None = None
     adaptive_k: bool = False          # per step, the k with the most expected tokens/s
-    # drafts score only their draft_vocab.json's tokens; None: where the job samples greedily
+    # drafts score only their draft_vocab.json's tokens; None: for rows sampled greedily
     # (sampled, the target often picks a token outside the list: docs/benchmarks.md)
     draft_vocab: bool | None = None
     prefix_caching: bool = True       # share the KV of identical prompt prefixes
@@ -130,15 +130,9 @@ class JobSpec:
                             num_speculative_tokens=self.num_speculative_tokens,
                             confidence_threshold=self.confidence_threshold,
                             device=device or self.device, dtype=self.dtype, seed=self.seed,
-                            adaptive_k=self.adaptive_k, draft_vocab=self.uses_draft_vocab(),
+                            adaptive_k=self.adaptive_k, draft_vocab=self.draft_vocab,
                             tensor_parallel_size=tp,
                             enable_prefix_caching=self.prefix_caching, **extra)
-
-    def uses_draft_vocab(self) -> bool:
-        """Whether the job's drafts score only their draft_vocab.json's tokens: as told, else
-        by the job's temperature (config.draft_vocab_for)."""
-        return self.draft_vocab if self.draft_vocab is not None else \
-            draft_vocab_for(self.temperature)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

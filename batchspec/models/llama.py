@@ -5,6 +5,7 @@ tensor parallelism each rank holds its shard of every weight and of the KV cache
 (batchspec.layers.parallel) and adds one all-reduce after o and after down."""
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -244,6 +245,20 @@ class LlamaForCausalLM(nn.Module):
         self.fused = fused_ops(dtype, device)
         self.fuse_swiglu_rope = True   # with self.fused: off leaves only RMSNorm fused (benchmarks)
         self.int8_head = None          # (op, packed weight, scales, sums): use_int8_head
+
+    def scoring_only(self, head_rows: torch.Tensor, head: torch.Tensor) -> LlamaForCausalLM:
+        """This model with an output layer of head's [vocab, hidden] rows head_rows only (a
+        draft's vocabulary); every other weight is this model's own tensor, shared. The
+        engine runs a draft's rows that score its list through it and the others through
+        this model (per row: EngineConfig.draft_vocab None)."""
+        assert self.tp.size == 1 and self.head_rows is None, "one rank, from the whole layer"
+        device = self.embed.device
+        model = copy.copy(self)
+        model.head_rows = head_rows.to(device=device, dtype=torch.long)
+        model.lm_head = weight_packer(self.dtype, device)[1](
+            head.to(device=device, dtype=self.dtype)[model.head_rows])
+        model.int8_head = None
+        return model
 
     def use_int8_head(self, head: Callable[[], torch.Tensor]) -> bool:
         """Compute logits with an int8 copy of the output layer, head() [vocab, hidden]

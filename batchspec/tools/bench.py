@@ -24,8 +24,8 @@ for --slice-ms, then the next, and a method's time is the sum of its own steps';
 whose job is done keeps stepping, untimed, until the last is done), so that even a slow
 stretch shorter than a run lands on all of them alike; --turns runs runs each method's whole
 job in turn. transformers methods always run whole runs in turn. Model drafts score their
-draft_vocab.json's tokens at T = 0 and every token above, as a job's do (config.draft_vocab_for;
-rows of spec methods say which in `draft_vocab`)."""
+draft_vocab.json's tokens for rows at T = 0 and every token above, as a job's do (the engine
+chooses per row: config.draft_vocab_for; rows of spec methods say which in `draft_vocab`)."""
 from __future__ import annotations
 
 import json
@@ -115,7 +115,8 @@ SLICE_S = 0.05   # seconds an engine steps in a turn of --turns steps
 
 def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0,
                         slice_s=SLICE_S, on_step=None, fresh_prompts=False):
-    """One run of each engine method ({method: LLM}) over the same prompts, the engines
+    """One run of each engine method ({method: LLM}) over the same prompts (temperature: one
+    for all, or a list the rows take in turn), the engines
     taking turns: each takes steps for slice_s seconds (at least one step; slice_s=0: one
     step), then the next, the first of each turn rotating. A method's time is the sum of its
     own steps' times, so a stretch in which a shared machine runs slower (seconds long, up to
@@ -127,7 +128,7 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
     --interleave), and the last stretch of the slowest job is paired too. on_step(turn,
     method, seconds, tokens) follows every timed step; fresh_prompts: see _start_afresh.
     Returns run_engine's result per method."""
-    params = _params(temperature, top_p, max_tokens)
+    params = _params(temperature, top_p, max_tokens, len(prompt_ids))
     seqs, spent = {}, dict.fromkeys(llms, 0.0)
     for method, llm in llms.items():
         _start_afresh(llm, fresh_prompts)
@@ -164,8 +165,13 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
     return results
 
 
-def _params(temperature, top_p, max_tokens):
+def _params(temperature, top_p, max_tokens, num_rows=None):
+    """The rows' SamplingParams: one for all, or with a list of temperatures (and num_rows)
+    one per row, the rows taking the temperatures in turn."""
     from batchspec import SamplingParams
+    if isinstance(temperature, (list, tuple)):
+        return [SamplingParams(temperature=temperature[i % len(temperature)], top_p=top_p,
+                               max_tokens=max_tokens) for i in range(num_rows)]
     return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
 
 
@@ -207,13 +213,15 @@ def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype, **e
                adaptive_k=method.endswith(("-adaptive", "-routed")), **engine)
 
 
-def draft_cost(llm) -> float:
-    """The cost ratio c of a method's model drafts (the mean over them: the demo's are of
-    one size and vocabulary), as its records price them (Engine.cost_ratio); 0 without."""
+def draft_cost(llm, temperature: float) -> float:
+    """The cost ratio c of a method's model drafts for rows at this temperature (the mean
+    over them: the demo's are of one size and vocabulary), as its records price them
+    (Engine.cost_ratio of Engine.source_for); 0 without."""
     if llm is None:
         return 0.0
-    costs = [llm.engine.cost_ratio(name) for name, p in llm.engine.proposers.items()
-             if p.num_params]
+    engine = llm.engine
+    costs = [engine.cost_ratio(engine.source_for(name, temperature))
+             for name in engine.config.drafts if engine.proposers[name].num_params]
     return sum(costs) / len(costs) if costs else 0.0
 
 
@@ -363,18 +371,11 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
         # the first prompts of one pool: a larger batch's cell runs a superset of a smaller's
         prompt_ids, domains = all_ids[:cell_size(b)], all_domains[:cell_size(b)]
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
-        llms, vocab = {}, None    # (the last cell's engines go before this cell's load)
+        llms = {}    # (the last cell's engines go before this cell's load)
+        llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(), dtype)
+                for m in cell_methods if m not in ("hf", "hf-assisted")}
+        freeze_heap()    # a full collection's pause lands on whichever method allocated
         for t in temperatures:
-            if not llms or draft_vocab_for(t) != vocab:
-                # model drafts score their lists' tokens or every token as a job at t does;
-                # engines without a model draft are kept
-                vocab = draft_vocab_for(t)
-                llms = {m: e for m, e in llms.items() if not m.startswith("spec")}
-                llms.update({m: make_llm(m, models, b, k, seed, threshold,
-                                         torch.get_num_threads(), dtype, draft_vocab=vocab)
-                             for m in cell_methods
-                             if m not in ("hf", "hf-assisted", *llms)})
-                freeze_heap()    # a full collection's pause lands on whichever method allocated
             runs = {}
             for method in cell_methods:
                 if method == "hf":
@@ -411,8 +412,8 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
                        "num_prompts": len(prompt_ids), **best,
                        "runs_tok_s": [round(r["tokens"] / r["wall_s"], 1) for r in res]}
                 if method.startswith("spec"):
-                    row["draft_vocab"] = vocab
-                rows.append(finish_row(row, k, draft_cost(llms.get(method))))
+                    row["draft_vocab"] = draft_vocab_for(t)
+                rows.append(finish_row(row, k, draft_cost(llms.get(method), t)))
                 click.echo(f"{method} B={b} T={t}: {rows[-1]['tok_s']} tok/s "
                            f"(runs {row['runs_tok_s']})", err=True)
     add_speedups(rows)
