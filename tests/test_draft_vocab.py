@@ -270,11 +270,16 @@ def test_a_job_may_score_every_token(tiny_llama, tiny_draft, tmp_path):
     args = [str(shard), "-o", str(tmp_path / "out"), "--model", tiny_llama,
             "--draft", f"default={draft}"]
     sampled = ["--temperature", "0.8"]
+    configs = {}
     for extra, want in (([], None), (["--whole-draft-vocab"], False), (["--draft-vocab"], True),
                         (sampled, None), (sampled + ["--draft-vocab"], True),
                         (sampled + ["--whole-draft-vocab"], False)):
         assert CliRunner().invoke(probe, args + extra).exit_code == 0
         assert got["spec"].engine_config().draft_vocab is want, extra
+        configs[tuple(extra)] = got["spec"].engine_config()
+    # jobs that differ in temperature only have one engine config: a worker keeps its engine
+    # from one to the other (tasks.get_llm reloads the models for another config)
+    assert configs[()] == configs[tuple(sampled)]
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"inputs": [str(shard)], "output": str(tmp_path / "o2"),
                                    "model": tiny_llama, "drafts": {"default": draft},
