@@ -217,3 +217,22 @@ def test_reference_plain_decoding_is_exact():
     assert acc.sum() == 0
     assert_distributed_as(out[:, 0].numpy(), filtered_target(logits[0].double().numpy(),
                                                              0.8, 0, 1.0))
+
+
+def test_a_caller_may_give_the_width_and_the_resolved_backend():
+    """What an engine passes to spare per-step work (the most drafts of one request, the
+    backend it resolved once) gives the same tokens as the op finding both itself."""
+    gen = torch.Generator().manual_seed(3)
+    num_draft, V = [2, 0, 3, 1], 7
+    N, B = sum(num_draft), len(num_draft)
+    logits = torch.randn(N + B, V, generator=gen)
+    q = torch.softmax(torch.randn(N, V, generator=gen), -1)
+    drafts = torch.multinomial(q, 1, generator=gen).squeeze(1).to(I32)
+    cu = torch.tensor([0] + list(np.cumsum(num_draft)), dtype=I32)
+    args = [logits, q, drafts, cu, torch.tensor([0.0, 0.7, 1.0, 0.0]),
+            torch.arange(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)]
+    for backend in ("torch", resolve_backend("auto", "cpu")):
+        want = rejection_sample(*args, backend=backend)
+        got = rejection_sample(*args, backend=backend, max_num_draft=3, resolved=True)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), backend
+        assert got[0].shape == (B, 4)

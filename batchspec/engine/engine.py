@@ -20,7 +20,7 @@ from batchspec.spec import draft_vocab
 from batchspec.spec.policy import PROMPT_TIMED, SpecPolicy, StepCosts
 from batchspec.spec.proposer import DraftModelProposer, NgramProposer, Proposal
 from batchspec.spec.suffix import SuffixProposer
-from batchspec.spec.verify import VerifyMetadata, verify
+from batchspec.spec.verify import VerifyMetadata, resolve_backend, verify
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 1.0
@@ -31,6 +31,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = c = config
         self.target = make_target_runner(c)   # sharded over ranks when tensor_parallel_size > 1
+        self.verify_backend = resolve_backend(c.verify_backend, self.target.device)  # once
         self._set_threads()
         self.tokenizer = load_tokenizer(c.model)
         cfg = self.target.cfg
@@ -206,7 +207,7 @@ class Engine:
         for it."""
         dev = self.target.device
         verify(torch.zeros(1, self.target.cfg.vocab_size, device=dev),
-               VerifyMetadata.dummy(dev), self.config.verify_backend)
+               VerifyMetadata.dummy(dev), self.verify_backend, resolved=True)
 
     def _set_threads(self) -> None:
         """CPU intra-op threads: as configured; by default one for small models, whose
@@ -311,14 +312,16 @@ class Engine:
             return [], 0
         sampling = [s for s in scheduled if s.is_sampling]
         chose = plain or self.propose(sampling)
+        # (made before the forward: right after it, which has swept the caches, each small
+        # torch op costs several times what it does here)
+        meta = self._verify_metadata(sampling)
         # Every row's uncomputed tokens then its drafts; a sampling row gets 1 + n_i logits.
         logits = self.target.forward([s.input_token_ids for s in scheduled],
                                      [s.seq.num_computed_tokens for s in scheduled],
                                      [s.seq.block_table for s in scheduled],
                                      [int(s.is_sampling) + s.num_drafts for s in scheduled],
                                      float_logits=False)   # verification reads bf16 as is
-        out_ids, num_accepted = verify(logits, self._verify_metadata(sampling, logits),
-                                       self.config.verify_backend)
+        out_ids, num_accepted = verify(logits, meta, self.verify_backend, resolved=True)
         num_accepted = num_accepted.tolist()
         result = self.commit(scheduled, out_ids.tolist(), num_accepted)
         if chose:
@@ -422,36 +425,38 @@ class Engine:
         for s, p in zip(rows, props, strict=True):
             s.proposal = p
 
-    def _verify_metadata(self, sampling: list[ScheduledSeq], logits) -> VerifyMetadata:
-        dev = logits.device
-        cu = [0]
+    def _verify_metadata(self, sampling: list[ScheduledSeq]) -> VerifyMetadata:
+        """What verification needs besides the target's logits (which land on
+        self.target.device, one per vocabulary token)."""
+        dev, V = self.target.device, self.target.cfg.vocab_size
+        cu, most = [0], 0
         for s in sampling:
             cu.append(cu[-1] + s.num_drafts)
+            most = max(most, s.num_drafts)
         params = [s.seq.params for s in sampling]
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         draft_probs = None
-        if cu[-1] and bool((temps > 0).any()):
-            V = logits.shape[-1]
+        if cu[-1] and any(p.temperature > 0 for p in params):   # (of the floats: no torch op)
             draft_probs = torch.cat([
                 s.proposal.probs if s.proposal.probs is not None else
                 torch.nn.functional.one_hot(torch.tensor(s.proposal.token_ids), V).float()
                 for s in sampling if s.num_drafts]).to(dev)
         top_k = top_p = None
         if any(p.top_k > 0 for p in params):   # top_k >= V keeps every token (and fits int32)
-            top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params],
+            top_k = torch.tensor([min(p.top_k, V) for p in params],
                                  dtype=torch.int32, device=dev)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         return VerifyMetadata(
             draft_token_ids=torch.tensor([t for s in sampling if s.proposal
                                           for t in s.proposal.token_ids],
-                                         dtype=torch.int64, device=dev),
+                                         dtype=torch.int32, device=dev),
             cu_num_draft=torch.tensor(cu, dtype=torch.int32, device=dev),
             temperature=temps.to(dev),
             seeds=torch.tensor([s.seq.seed for s in sampling], dtype=torch.int64, device=dev),
             offsets=torch.tensor([s.seq.num_output_tokens for s in sampling],
                                  dtype=torch.int64, device=dev),
-            draft_probs=draft_probs, top_k=top_k, top_p=top_p)
+            draft_probs=draft_probs, top_k=top_k, top_p=top_p, max_num_draft=most)
 
     def commit(self, scheduled: list[ScheduledSeq], out_ids: list[list[int]],
                num_accepted: list[int]) -> tuple[list[Sequence], int]:
