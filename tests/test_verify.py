@@ -236,3 +236,11 @@ def test_a_caller_may_give_the_width_and_the_resolved_backend():
         got = rejection_sample(*args, backend=backend, max_num_draft=3, resolved=True)
         assert all(torch.equal(a, b) for a, b in zip(want, got)), backend
         assert got[0].shape == (B, 4)
+
+
+def test_a_bad_backend_in_the_environment_says_where_it_came_from(monkeypatch):
+    monkeypatch.setenv("BATCHSPEC_VERIFY_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="BATCHSPEC_VERIFY_BACKEND: unknown verification"):
+        resolve_backend("auto", "cpu")
+    with pytest.raises(ValueError, match="^unknown verification backend 'nope'"):
+        resolve_backend("nope", "cpu")

@@ -52,7 +52,9 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     else:
         explicit = True
     if backend not in BACKENDS:
-        raise ValueError(f"unknown verification backend {backend!r}; expected one of {BACKENDS}")
+        where = "" if explicit else "BATCHSPEC_VERIFY_BACKEND: "
+        raise ValueError(f"{where}unknown verification backend {backend!r}; expected one of "
+                         f"{BACKENDS}")
     on_cuda = torch.device(device).type == "cuda"
     if backend in ("cuda", "cpu") and (backend == "cuda") != on_cuda:
         if explicit:
