@@ -105,7 +105,7 @@ def run_engine(llm, prompt_ids, *, domains, temperature, max_tokens, top_p=1.0,
     fresh_prompts: see _start_afresh."""
     _start_afresh(llm, fresh_prompts)
     t0 = time.perf_counter()
-    outs = llm.generate(prompt_ids, _params(temperature, top_p, max_tokens),
+    outs = llm.generate(prompt_ids, _params(temperature, top_p, max_tokens, len(prompt_ids)),
                         domains=domains[:len(prompt_ids)], use_tqdm=False)
     return _engine_result(outs, time.perf_counter() - t0)
 
@@ -371,7 +371,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
         # the first prompts of one pool: a larger batch's cell runs a superset of a smaller's
         prompt_ids, domains = all_ids[:cell_size(b)], all_domains[:cell_size(b)]
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
-        llms = {}    # (the last cell's engines go before this cell's load)
+        llms = runs = {}    # (the last cell's engines, held by both, go before this cell's load)
         llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(), dtype)
                 for m in cell_methods if m not in ("hf", "hf-assisted")}
         freeze_heap()    # a full collection's pause lands on whichever method allocated
