@@ -196,6 +196,11 @@ def test_noisy_timings_are_smoothed_into_lines_in_q_and_monotone_in_b():
     falling = StepCosts([1], target={1: [3.0], 2: [1.0]})
     falling.smooth()                      # slope clipped at 0: the mean everywhere
     assert falling.target == {1: [2.0], 2: [2.0]}
+    # the engine times q = 1, 3 and 5 (k = 4): the line fills q = 2 and 4
+    gaps = StepCosts([1], target={1: [1.0], 3: [2.1], 5: [2.6]})
+    gaps.smooth()
+    assert sorted(gaps.target) == [1, 2, 3, 4, 5]
+    assert [gaps.target[q][0] for q in range(1, 6)] == pytest.approx([1.1, 1.5, 1.9, 2.3, 2.7])
 
 
 def test_a_burst_of_load_moves_a_side_by_a_tenth_at_most():

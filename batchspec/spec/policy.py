@@ -104,19 +104,22 @@ class StepCosts:
 
     def smooth(self) -> None:
         """Measured timings are noisy (a shared machine, one timing per shape): at each batch
-        size, replace the target's times over q = 1..k+1 by their least-squares line in q
-        (slope at least 0: more tokens never cost less), then make every shape's times
-        non-decreasing in B."""
+        size, replace the target's times by their least-squares line in q (slope at least 0:
+        more tokens never cost less), which also fills the q = 1..k+1 not timed, then make
+        every shape's times non-decreasing in B."""
         qs = sorted(self.target)
         if len(qs) > 1:
             q_mean = sum(qs) / len(qs)
-            for i in range(len(self.batch_sizes)):
+            n = len(self.batch_sizes)
+            line = {q: [0.0] * n for q in range(1, qs[-1] + 1)}
+            for i in range(n):
                 ts = [self.target[q][i] for q in qs]
                 t_mean = sum(ts) / len(ts)
                 slope = max(0.0, sum((q - q_mean) * (t - t_mean) for q, t in zip(qs, ts)) /
                             sum((q - q_mean) ** 2 for q in qs))
-                for q in qs:
-                    self.target[q][i] = t_mean + slope * (q - q_mean)
+                for q in line:
+                    line[q][i] = t_mean + slope * (q - q_mean)
+            self.target = line
         for values in (*self.target.values(), *self.draft.values()):
             for i in range(1, len(values)):
                 values[i] = max(values[i], values[i - 1])
