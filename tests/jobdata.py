@@ -45,3 +45,23 @@ def read_dir(out, kind: str) -> pa.Table:
     names = sorted(os.listdir(folder))
     assert all(n.startswith("part-") and n.endswith(".parquet") for n in names), names
     return pa.concat_tables([pq.read_table(os.path.join(folder, n)) for n in names])
+
+
+def job_spec_of(args: list[str]):
+    """The JobSpec that `run` and `submit` build from these command-line arguments (their
+    options alone: nothing runs). The inputs are only named, so they need not exist."""
+    import click
+    from click.testing import CliRunner
+
+    from batchspec.jobs.commands import job_options
+    from batchspec.jobs.spec import JobSpec
+    got = {}
+
+    @click.command()
+    @job_options
+    def probe(config, **options):
+        got["spec"] = JobSpec.build(config=config, **options)
+
+    result = CliRunner().invoke(probe, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return got["spec"]

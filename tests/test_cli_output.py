@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from batchspec.jobs.display import jobs_table, progress_bar, status_table
+from batchspec.jobs.display import ending, jobs_table, progress_bar, status_table
 from batchspec.report.command import report
 from tests.acceptance_records import make_record, write_job
 
@@ -42,6 +42,35 @@ def test_status_before_any_shard_is_done():
     assert [line.split() for line in text.splitlines() if line.startswith("throughput")] == \
         [["throughput", "-"]]
     assert progress_bar(0, 40) in text and "failed shards" not in text
+
+
+def test_a_job_ends_with_what_drafts_made_of_its_output():
+    """The line `run` and `submit --wait` end with says how many of the tokens came from
+    accepted drafts: where an adaptive engine decoded plainly, α rests on a few rounds."""
+    def line(drafted, accepted, tokens=2304):
+        summary = {"total_drafted": drafted, "total_accepted": accepted,
+                   "acceptance_rate": accepted / drafted if drafted else None,
+                   "tokens_generated": tokens, "tokens_per_s": 852.7}
+        return ending("completed", completed=48, failed=0, total=48, shards_failed=0,
+                      shards_total=1, summary=summary, output="/o").splitlines()[1]
+    assert line(2114, 1646) == ("acceptance rate α 0.779 (1,646 of 2,114 drafted tokens "
+                                "accepted); 2,304 tokens generated (71% from drafts), "
+                                "852.7 tokens/s")
+    assert "(0.1% from drafts)" in line(4, 2)
+    assert "(0% from drafts)" in line(4, 0)
+    assert line(0, 0) == "acceptance rate α n/a (nothing drafted); 2,304 tokens generated, " \
+        "852.7 tokens/s"
+
+
+def test_report_says_how_many_tokens_came_from_drafts(tmp_path):
+    """An engine that decoded plainly in most rounds (adaptive lengths where drafts do not
+    pay) leaves an α over a few rounds: the report's head says what drafts made."""
+    mostly_plain = [make_record("r0", [(0, 0)] * 40 + [(4, 1)]),
+                    make_record("r1", [(0, 0)] * 41)]
+    r = CliRunner().invoke(report, [write_job(str(tmp_path / "job"), [mostly_plain])])
+    assert r.exit_code == 0, r.output
+    # 1 accepted draft of 1 + 40 + 2 and 1 + 41 tokens
+    assert "tokens from accepted drafts             1.2%  (1 / 85 generated)" in r.stdout
 
 
 def test_jobs_list_has_a_legend():

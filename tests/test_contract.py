@@ -21,7 +21,9 @@ _register()
 
 def test_llm_generate_equals_a_job_token_for_token(tiny_llama, tiny_draft, tmp_path):
     """The same ids and seed through LLM.generate and `batchspec run` (several shards, a
-    draft) give the same tokens at T = 0.8: one seed derivation."""
+    draft) give the same tokens at T = 0.8: one seed derivation. The job keeps k fixed, as
+    LLM does by default: with adaptive lengths (a job's default) which sample a seed gives
+    depends on the lengths chosen."""
     import pyarrow as pa
 
     from batchspec import LLM, SamplingParams
@@ -33,7 +35,7 @@ def test_llm_generate_equals_a_job_token_for_token(tiny_llama, tiny_draft, tmp_p
     result = CliRunner().invoke(cli, ["run", str(src), "-o", str(out), "--model", tiny_llama,
                                       "--draft", f"default={tiny_draft}", "--temperature", "0.8",
                                       "--max-tokens", "12", "--seed", "11", "--shard-size", "4",
-                                      "-q"], catch_exceptions=False)
+                                      "--fixed-k", "-q"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     job = {r["id"]: r["token_ids"] for r in pq.read_table(out / "outputs").to_pylist()}
 
@@ -57,7 +59,8 @@ def test_aggregates_agree_everywhere(tiny_llama, tiny_draft, tmp_path):
     runner = CliRunner()
     result = runner.invoke(cli, ["run", str(src), "-o", str(out), "--model", tiny_llama,
                                  "--draft", f"default={tiny_llama}", "--max-tokens", "10",
-                                 "--shard-size", "3", "-k", "3", "--min-acceptance", "0", "-q"],
+                                 "--shard-size", "3", "-k", "3", "--min-acceptance", "0",
+                                 "--fixed-k", "-q"],   # (adaptive lengths may not draft)
                            catch_exceptions=False)
     assert result.exit_code == 0, result.output
     records = pq.read_table(out / "acceptance").to_pylist()

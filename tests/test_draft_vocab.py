@@ -252,31 +252,21 @@ def test_a_job_may_score_every_token(tiny_llama, tiny_draft, tmp_path):
     """`--whole-draft-vocab` (run, submit) and `draft_vocab: false` in a job file reach the
     engine: its drafts score every token despite their draft_vocab.json. Told nothing, the
     engine chooses per row (None)."""
-    import click
     import yaml
 
-    from batchspec.jobs.commands import job_options
     from batchspec.jobs.spec import JobSpec
+    from tests.jobdata import job_spec_of
     draft = with_vocab(tiny_draft, tmp_path / "draft", list(range(0, 512, 2)))
-    got = {}
-
-    @click.command()
-    @job_options
-    def probe(config, **options):
-        got["spec"] = JobSpec.build(config=config, **options)
-
     shard = tmp_path / "in.parquet"
-    shard.write_bytes(b"")   # (the spec only names it)
-    args = [str(shard), "-o", str(tmp_path / "out"), "--model", tiny_llama,
-            "--draft", f"default={draft}"]
+    args = [shard, "-o", tmp_path / "out", "--model", tiny_llama, "--draft", f"default={draft}"]
     sampled = ["--temperature", "0.8"]
     configs = {}
     for extra, want in (([], None), (["--whole-draft-vocab"], False), (["--draft-vocab"], True),
                         (sampled, None), (sampled + ["--draft-vocab"], True),
                         (sampled + ["--whole-draft-vocab"], False)):
-        assert CliRunner().invoke(probe, args + extra).exit_code == 0
-        assert got["spec"].engine_config().draft_vocab is want, extra
-        configs[tuple(extra)] = got["spec"].engine_config()
+        config = job_spec_of(args + extra).engine_config()
+        assert config.draft_vocab is want, extra
+        configs[tuple(extra)] = config
     # jobs that differ in temperature only have one engine config: a worker keeps its engine
     # from one to the other (tasks.get_llm reloads the models for another config)
     assert configs[()] == configs[tuple(sampled)]

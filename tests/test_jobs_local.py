@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from batchspec.cli import _register, cli
 from batchspec.contract import ACCEPTANCE_SCHEMA
 from batchspec.jobs.outputs import ERROR_SCHEMA, OUTPUT_SCHEMA
-from tests.jobdata import BAD_ROWS, GOOD_IDS, make_inputs, read_dir
+from tests.jobdata import BAD_ROWS, GOOD_IDS, job_spec_of, make_inputs, read_dir
 
 _register()
 
@@ -228,3 +228,32 @@ def test_shards_overlap_in_the_batch_and_outputs_do_not_change(inputs, tiny_llam
     assert [(r["id"], r["token_ids"]) for r in sorted(a, key=key)] == \
         [(r["id"], r["token_ids"]) for r in sorted(b, key=key)]
     assert len(a) == len(GOOD_IDS)
+
+
+def test_jobs_adapt_draft_lengths_unless_told(tmp_path, tiny_llama, tiny_draft, monkeypatch):
+    """A job chooses each row's draft length per step by default (at the batch sizes jobs run
+    at, a fixed k loses to plain decoding: docs/benchmarks.md, thirty-sixth round):
+    `--fixed-k`, `adaptive_k: false` in a job file and BATCHSPEC_ADAPTIVE_K=0 keep k fixed.
+    The engine a job loads (tasks.get_llm) measures its step costs only where it adapts."""
+    import yaml
+
+    from batchspec.jobs import tasks
+    shard = tmp_path / "in.parquet"
+    args = [shard, "-o", tmp_path / "out", "--model", tiny_llama, "--draft",
+            f"default={tiny_draft}"]
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"inputs": [str(shard)], "output": str(tmp_path / "out"),
+                                   "model": tiny_llama, "adaptive_k": False}))
+    for extra, env, want in (([], None, True), (["--fixed-k"], None, False),
+                             (["--adaptive-k"], None, True), ([], "0", False),
+                             (["--config", job], None, False),
+                             (["--config", job, "--adaptive-k"], None, True)):
+        if env is None:
+            monkeypatch.delenv("BATCHSPEC_ADAPTIVE_K", raising=False)
+        else:
+            monkeypatch.setenv("BATCHSPEC_ADAPTIVE_K", env)
+        assert job_spec_of(args + extra).engine_config().adaptive_k is want, (extra, env)
+    monkeypatch.delenv("BATCHSPEC_ADAPTIVE_K", raising=False)
+    for extra, measured in (([], True), (["--fixed-k"], False)):
+        llm = tasks.get_llm(job_spec_of(args + extra))
+        assert (llm.engine.policy.costs is not None) is measured, extra

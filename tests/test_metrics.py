@@ -53,7 +53,8 @@ def test_worker_metrics_scraped_mid_job(start_worker, redis_server, model_factor
     worker = start_worker("metrics", BATCHSPEC_METRICS_PORT=str(port))
     r = batchspec(redis_server, "submit", prompts, "-o", tmp_path / "out", "--model", model,
                   "--draft", f"default={tiny_draft}", "--draft", "code=ngram",
-                  "--shard-size", "2", "--max-tokens", "24")
+                  "--shard-size", "2", "--max-tokens", "24",
+                  "--fixed-k")   # drafts every round (adaptive lengths may decode plainly)
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().splitlines()[-1]
     store = JobStore(redis_server)
@@ -95,7 +96,8 @@ def test_run_serves_metrics(tiny_llama, tiny_draft, prompts, tmp_path):
          "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
          "sys.stdout.write('ended\\n'); sys.stdout.flush(); time.sleep(60)\n",
          "run", str(prompts), "-o", str(tmp_path / "out"), "-q", "--model", tiny_llama,
-         "--draft", f"default={tiny_draft}", "--max-tokens", "6", "--metrics-port", str(port)],
+         "--draft", f"default={tiny_draft}", "--max-tokens", "6", "--metrics-port", str(port),
+         "--fixed-k"],   # drafts every round (adaptive lengths may decode plainly)
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         samples = wait_until(lambda: (s := scrape(port)) and total(

@@ -30,8 +30,10 @@ def requests_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job_args(tiny_llama, tiny_draft):
+    # a fixed k: the two jobs' sampled rows are compared token for token, and with adaptive
+    # lengths (a job's default) which sample a seed gives depends on the lengths chosen
     return ["--model", tiny_llama, "--draft", f"default={tiny_draft}", "--shard-size", "16",
-            "--seed", "5", "--max-tokens", "4"]
+            "--seed", "5", "--max-tokens", "4", "--fixed-k"]
 
 
 @pytest.fixture(scope="module")

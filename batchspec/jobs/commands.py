@@ -68,7 +68,7 @@ JOB_OPTIONS = [
     click.option("--adaptive-k/--fixed-k", "adaptive_k", default=None,
                  envvar="BATCHSPEC_ADAPTIVE_K",
                  help="Per step, draft the k (0..-k) with the most expected tokens/s, from "
-                      "costs measured at start-up [fixed k]."),
+                      "costs measured at start-up, or a fixed k [adaptive]."),
     click.option("--draft-vocab/--whole-draft-vocab", "draft_vocab", default=None,
                  help="Drafts with a draft_vocab.json score only its tokens (`batchspec "
                       "draft-vocab`), or every token [per row: its tokens for rows at "

@@ -36,7 +36,14 @@ def ending(state: str, *, completed: int, failed: int, total: int, shards_failed
         alpha += f" ({accepted:,} of {drafted:,} drafted tokens accepted)"
     tokens, speed = summary.get("tokens_generated"), summary.get("tokens_per_s")
     if tokens is not None:
-        alpha += f"; {tokens:,} tokens generated" + (f", {speed:.1f} tokens/s" if speed else "")
+        alpha += f"; {tokens:,} tokens generated"
+        if drafted and tokens:
+            # how much speculation made of the output: under adaptive lengths (a job's
+            # default) an engine whose drafts do not pay decodes plainly, and α then rests on
+            # the few rounds it drafted
+            share = 100 * accepted / tokens
+            alpha += f" ({share:.0f}% from drafts)" if share >= 1 or not accepted else                 f" ({share:.1f}% from drafts)"
+        alpha += f", {speed:.1f} tokens/s" if speed else ""
     lines += [alpha, _where(output, openai_files)]
     return "\n".join(lines)
 

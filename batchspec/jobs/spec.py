@@ -47,7 +47,9 @@ class JobSpec:
     chat: bool = False                # wrap prompts as a user message, apply chat template
     min_acceptance: float | None = None
     max_spec_temperature: float | None = None
-    adaptive_k: bool = False          # per step, the k with the most expected tokens/s
+    # per step, each row's draft length by expected tokens/s from costs measured at start-up
+    # (never far below plain decoding at a job's batch sizes, where a fixed k loses)
+    adaptive_k: bool = True
     # drafts score only their draft_vocab.json's tokens; None: for rows sampled greedily
     # (sampled, the target often picks a token outside the list: docs/benchmarks.md)
     draft_vocab: bool | None = None

@@ -57,6 +57,11 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         ("requests", f"{s['requests']:,} ({s['speculative_requests']:,} speculative){files}"),
         ("acceptance rate α (accepted / drafted)",
          f"{_num(r['acceptance_rate'])}  ({s['total_accepted']:,} / {s['total_drafted']:,})"),
+        # (an engine with adaptive lengths decodes plainly where drafts do not pay: then α
+        # rests on the few rounds it drafted, and this says so)
+        ("tokens from accepted drafts",
+         f"{_pct(s['total_accepted'] / s['tokens_generated'] if s['tokens_generated'] else None)}"
+         f"  ({s['total_accepted']:,} / {s['tokens_generated']:,} generated)"),
         ("per-request α P50 / P90 / P99", " / ".join(_num(s[q]) for q in ("p50", "p90", "p99"))),
         ("per-token acceptance p", _num(r["token_acceptance_prob"])),
         ("tokens per target pass (speculative)",
