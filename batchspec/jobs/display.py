@@ -42,7 +42,8 @@ def ending(state: str, *, completed: int, failed: int, total: int, shards_failed
             # default) an engine whose drafts do not pay decodes plainly, and α then rests on
             # the few rounds it drafted
             share = 100 * accepted / tokens
-            alpha += f" ({share:.0f}% from drafts)" if share >= 1 or not accepted else                 f" ({share:.1f}% from drafts)"
+            shown = f"{share:.0f}" if share >= 1 or not accepted else f"{share:.1f}"
+            alpha += f" ({shown}% from drafts)"
         alpha += f", {speed:.1f} tokens/s" if speed else ""
     lines += [alpha, _where(output, openai_files)]
     return "\n".join(lines)
