@@ -89,9 +89,9 @@ def draft_vocab_for(temperature: float) -> bool:
     where nobody said: greedy, yes; sampled, no. Sampled, the target picks a token outside
     the list about as often as the text uses one: at T = 0.8 the demo code draft's α was
     0.46 with its list of 1,024 tokens and 0.55 without (benchmarks/draft_vocab_alpha.py),
-    and speculation at one row 1.43x
-    plain against 1.62x; at T = 0.3 the two broke even (α 0.68 against 0.67 at T = 0.2, 0.59
-    against 0.61 at 0.4); at T = 0 the list gained 1.8% (docs/benchmarks.md). The engine
+    and speculation at one row 1.43x plain against 1.62x; at T = 0.3 the two broke even (α
+    0.68 against 0.67 at T = 0.2, 0.59 against 0.61 at 0.4); at T = 0 the list gained 1.8%
+    (docs/benchmarks.md). The engine
     asks it for each row (Engine.source_for) where its config leaves the choice open."""
     return temperature == 0
 

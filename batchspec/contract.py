@@ -186,6 +186,13 @@ def mean_accepted_length(decode_tokens_, rounds):
     return ratio(decode_tokens_, rounds)
 
 
+def draft_token_share(accepted, tokens_generated):
+    """Share of the output tokens that came from accepted drafts: what speculation made of a
+    job. An engine with adaptive lengths decodes plainly where drafts do not pay, and its α
+    then rests on the few rounds it drafted; this says so."""
+    return ratio(accepted, tokens_generated)
+
+
 def prompt_cache_hit_rate(cached_prompt_tokens, prompt_tokens):
     """Share of prompt tokens whose KV came from the prefix cache instead of being computed."""
     return ratio(cached_prompt_tokens, prompt_tokens)

@@ -98,6 +98,7 @@ def test_formulas_take_numbers_and_polars_expressions():
     assert got[0] == {"alpha": 0.75, "dec": 4, "e": contract.expected_tokens_per_pass(0.5, 2)}
     assert got[1]["alpha"] is None and got[1]["dec"] == 0
     assert contract.acceptance_rate(0, 0) is None and contract.decode_tokens(0) == 0
+    assert contract.draft_token_share(3, 5) == 0.6 and contract.draft_token_share(0, 0) is None
     assert contract.expected_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
 
 

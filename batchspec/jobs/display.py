@@ -38,10 +38,8 @@ def ending(state: str, *, completed: int, failed: int, total: int, shards_failed
     if tokens is not None:
         alpha += f"; {tokens:,} tokens generated"
         if drafted and tokens:
-            # how much speculation made of the output: under adaptive lengths (a job's
-            # default) an engine whose drafts do not pay decodes plainly, and α then rests on
-            # the few rounds it drafted
-            share = 100 * accepted / tokens
+            from batchspec.contract import draft_token_share
+            share = 100 * draft_token_share(accepted, tokens)
             shown = f"{share:.0f}" if share >= 1 or not accepted else f"{share:.1f}"
             alpha += f" ({shown}% from drafts)"
         alpha += f", {speed:.1f} tokens/s" if speed else ""

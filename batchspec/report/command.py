@@ -10,6 +10,7 @@ from html import escape
 
 import click
 
+from batchspec import contract
 from batchspec.jobs.display import draft_name
 from batchspec.report.analysis import POSITION_BUCKETS, NoAcceptanceData, analyze
 from batchspec.report.charts import bar_chart
@@ -57,10 +58,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         ("requests", f"{s['requests']:,} ({s['speculative_requests']:,} speculative){files}"),
         ("acceptance rate α (accepted / drafted)",
          f"{_num(r['acceptance_rate'])}  ({s['total_accepted']:,} / {s['total_drafted']:,})"),
-        # (an engine with adaptive lengths decodes plainly where drafts do not pay: then α
-        # rests on the few rounds it drafted, and this says so)
         ("tokens from accepted drafts",
-         f"{_pct(s['total_accepted'] / s['tokens_generated'] if s['tokens_generated'] else None)}"
+         f"{_pct(contract.draft_token_share(s['total_accepted'], s['tokens_generated']))}"
          f"  ({s['total_accepted']:,} / {s['tokens_generated']:,} generated)"),
         ("per-request α P50 / P90 / P99", " / ".join(_num(s[q]) for q in ("p50", "p90", "p99"))),
         ("per-token acceptance p", _num(r["token_acceptance_prob"])),
