@@ -163,6 +163,15 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a Hugging Face model directory")
         self.drafts = {str(k): str(v) for k, v in (self.drafts or {}).items()}
+        for domain in self.drafts:
+            # the engine names the sources it adds beside domain D's draft D+vocab, D+ngram
+            # and D+suffix (its vocabulary's scorer, its routed lookup); a domain of that
+            # name would take their place in the engine and in the records
+            base, plus, kind = domain.rpartition("+")
+            if plus and base in self.drafts and kind in ("vocab", *LOOKUP_SOURCES):
+                raise ValueError(
+                    f"domain {domain!r} has the name of the {kind} source batchspec adds "
+                    f"for domain {base!r}: rename the domain")
         for domain, value in self.drafts.items():
             path = draft_sources(value)[0]
             if path not in LOOKUP_SOURCES and not os.path.isdir(path):

@@ -19,10 +19,19 @@ def test_defaults_are_resolved(tiny_llama):
     (dict(confidence_threshold=1.5), "confidence_threshold"),
     (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
     (dict(num_threads=0), "num_threads"),
+    (dict(drafts={"code": "ngram", "code+vocab": "ngram"}), "domain 'code\\+vocab'"),
+    (dict(drafts={"code": "ngram", "code+suffix": "suffix"}), "rename the domain"),
 ])
 def test_bad_settings_fail_fast(tiny_llama, kwargs, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         EngineConfig(model=tiny_llama, device="cpu", **kwargs)
+
+
+def test_domain_names_with_a_plus_are_fine_unless_they_take_a_sources_name(tiny_llama):
+    """A domain may be called "c++" or "a+b"; only D+vocab, D+ngram and D+suffix beside a
+    domain D are refused (test_bad_settings_fail_fast)."""
+    drafts = {"c++": "ngram", "a+b": "suffix", "a": "ngram", "vocab+x": "ngram"}
+    assert EngineConfig(model=tiny_llama, device="cpu", drafts=drafts).drafts == drafts
 
 
 def test_sampling_params_validation():
