@@ -134,9 +134,9 @@ class Engine:
         B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
         batches are extrapolated, and the online correction absorbs the error), at a context
         of ctx_len tokens, and what a prompt of PROMPT_TIMED tokens adds beside the largest
-        batch: the fastest of `repeats` rounds in which every shape is timed once, then
-        smoothed (StepCosts.smooth). The KV written lands in free blocks and is never
-        read."""
+        batch: the fastest of `repeats` rounds (two at the least) in which every shape is
+        timed once, the first of them, cold, serving as the warm-up; then smoothed
+        (StepCosts.smooth). The KV written lands in free blocks and is never read."""
         c = self.config
         k = c.num_speculative_tokens
         ctx = max(1, min(ctx_len, self.max_model_len - k - 1))
@@ -162,7 +162,8 @@ class Engine:
         # the target at q = 1, k + 1 and one between: smooth() fits a line in q through them
         # and fills the rest. Start-up of the demo family (k = 4, B up to 64, three drafts
         # of two output layers each) on a 2-core CPU: 7.4 s timing every q in five rounds,
-        # 5.0 s timing three, 3.4 s in three rounds, whose costs came within 1-3% of five's
+        # 5.0 s timing three, 3.4 s in three rounds, whose costs came within 1-3% of five's,
+        # and 2.6 s without a round of warm-up before them (costs within 1-2% of those with)
         timed_qs = sorted({1, (k + 2) // 2, k + 1})
         runs = {("target", q, b): timed(self.target, b, q) for q in timed_qs for b in grid}
         # a draft model's runner (its whole or cut output layer) -> the proposers it serves
@@ -178,15 +179,13 @@ class Engine:
             [[0]] * max_b + [[0] * prompt], [ctx] * max_b + [0], tables + tables[:1],
             [1] * (max_b + 1)).sum().item()), 1, self.target.device)
         self._warm_verification()
-        for run, _, _ in runs.values():
-            run()   # warm-up
         # Every shape is timed once a round, round after round, and keeps its fastest: the
         # machine's speed drifts while this runs, and timing the shapes one after another
         # put the drift into the costs' slope in q (at 64 rows, 5-token windows were timed
         # at 1.7x a decode step where steps measured 2.2x), which the online correction, one
         # factor per side, cannot take out.
         best = dict.fromkeys(runs, float("inf"))
-        for _ in range(repeats):
+        for _ in range(max(repeats, 2)):
             for key, (run, steps, device) in runs.items():
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
