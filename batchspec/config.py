@@ -6,11 +6,7 @@ import functools
 import os
 from dataclasses import dataclass, field
 
-from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
-
-NGRAM = "ngram"
-SUFFIX = "suffix"
-LOOKUP_SOURCES = (NGRAM, SUFFIX)   # drafts that look tokens up instead of running a model
+from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS, LOOKUP_SOURCES
 
 
 def draft_sources(value: str) -> list[str]:

@@ -8,11 +8,16 @@ formulas take plain numbers or Polars expressions alike, so the report's group-b
 job summary compute the same thing.
 
 speedup_theoretical = E[tokens per target pass] / (1 + k * c) with
-E = (1 - p^(k+1)) / (1 - p) (Leviathan et al. 2023), k the request's k_max, c the draft's cost
-relative to the target, estimated by the ratio of parameter counts (0 for n-gram drafts), and
-p the per-token acceptance probability: accepted / (accepted + rounds that ended in a
-rejection). p, not α = accepted / drafted, is the i.i.d. rate the formula assumes: α also
-counts the drafts after a rejection, which are never judged."""
+E = (1 - p^(k+1)) / (1 - p) (Leviathan et al. 2023), k the drafts a round, c the draft's cost
+relative to the target, estimated by the ratio of parameter counts (0 for n-gram and suffix
+drafts), and p the per-token acceptance probability: accepted / (accepted + rounds that ended
+in a rejection). p, not α = accepted / drafted, is the i.i.d. rate the formula assumes: α also
+counts the drafts after a rejection, which are never judged. A request's rounds need not
+draft k alike (adaptive lengths choose each round's, plain steps draft none; a routed row's
+lookup rounds cost no draft forward): its speedup_theoretical takes each round's own count n
+(rounds_speedup_theoretical: the mean of E at n over its rounds, E = 1 at n = 0, over 1 + c
+times the model-drafted tokens a round), which is the formula above where every round drafts
+k from a model."""
 from __future__ import annotations
 
 import hashlib
@@ -26,6 +31,10 @@ if TYPE_CHECKING:
     from batchspec.engine.sequence import Sequence
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+# A record's round_source: the draft model's path for its rounds, these for lookup drafts'
+NGRAM = "ngram"
+SUFFIX = "suffix"
+LOOKUP_SOURCES = (NGRAM, SUFFIX)   # drafts that look tokens up instead of running a model
 
 
 # ---- the request going in ------------------------------------------------------------------
@@ -87,7 +96,7 @@ RECORD_FIELDS: list[tuple[str, str, str]] = [
      "round without drafts): a row with DIR+ngram|suffix chooses per round"),
     ("skipped_by_confidence", "int32", "rounds the confidence threshold cut short"),
     ("fallback_triggered", "bool", ""),
-    ("speedup_theoretical", "float64", "speedup_theoretical()"),
+    ("speedup_theoretical", "float64", "rounds_speedup_theoretical()"),
     ("wall_s", "float64", "from admission to the batch to the last token"),
 ]
 RECORD_NAMES = [name for name, _, _ in RECORD_FIELDS]
@@ -142,7 +151,7 @@ def acceptance_record(seq: Sequence, *, target: str, draft_path: str | None, k_m
         "skipped_by_confidence": s.skipped_by_confidence,
         "fallback_triggered": s.fallback_triggered,
         "speedup_theoretical": None if not drafted else
-        speedup_theoretical(p or 0.0, k_max, cost_ratio),
+        rounds_speedup_theoretical(p or 0.0, s.round_drafted, s.round_source, cost_ratio),
         "wall_s": (seq.finish_time or seq.arrival_time)
         - (seq.first_scheduled_time or seq.arrival_time),
     }
@@ -206,14 +215,24 @@ def expected_tokens_per_pass(p: float, k):
     return (1.0 - p ** (k + 1)) / (1.0 - p)
 
 
-def speedup_theoretical(p: float, k: int, cost_ratio: float, drafted_share: float = 1.0,
-                        model_share: float = 1.0) -> float:
-    """Leviathan et al.'s E[tokens per pass] / (1 + k c). With rounds of several kinds (a
-    row's plain steps under adaptive lengths, lookup rounds of a routed row): a share
-    drafted_share of rounds draft (the others make one token) and a share model_share pay
-    a draft model's k forwards."""
-    per_pass = drafted_share * expected_tokens_per_pass(p, k) + (1.0 - drafted_share)
-    return per_pass / (1.0 + k * cost_ratio * model_share)
+def rounds_speedup_theoretical(p: float, round_drafted: Iterable[int],
+                               round_source: Iterable[str | None],
+                               cost_ratio: float) -> float | None:
+    """speedup_theoretical over rounds of their own draft counts (a record's round_drafted
+    and round_source, or several records' joined): the mean over rounds of
+    expected_tokens_per_pass(p, n), n the round's drafts (1 token where it drafted none), over
+    1 + c times the drafts a round that a draft model made (a lookup's cost no forward). A row
+    of an adaptive engine that drafted one round in 41 is priced near plain decoding's 1.0,
+    not at what drafting k every round would make. None without rounds."""
+    rounds = tokens = model_drafts = 0
+    for n, src in zip(round_drafted, round_source, strict=True):
+        rounds += 1
+        tokens += expected_tokens_per_pass(p, n)
+        if n and src not in LOOKUP_SOURCES:
+            model_drafts += n
+    if not rounds:
+        return None
+    return tokens / rounds / (1.0 + cost_ratio * model_drafts / rounds)
 
 
 SUMMARY_COUNTERS = ("prompt_tokens", "cached_prompt_tokens", "tokens_generated",

@@ -115,11 +115,17 @@ def main() -> int:
         # the first round is each engine's first job (the policies start from nothing); it
         # is shown but left out of the medians, which are of jobs after it
         print(f"round {r}{' (first job, not in the medians)' if not r else ''}: " + ", ".join(
-            f"{name} {ratios[name]:.3f} ({res[name]['round_shares'][0]:.2f})"
+            f"{name} {ratios[name]:.3f} ({drafted_share(res[name]):.2f})"
             for name in speedups), flush=True)
     print("median: " + ", ".join(f"{name} {statistics.median(v):.3f}"
                                  for name, v in speedups.items()))
     return 0
+
+
+def drafted_share(result: dict) -> float:
+    """The share of a run's rounds that drafted (run_engines_in_turns' round_lists)."""
+    drafted = result["round_lists"][0]
+    return sum(n > 0 for n in drafted) / max(len(drafted), 1)
 
 
 if __name__ == "__main__":

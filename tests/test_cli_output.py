@@ -71,6 +71,9 @@ def test_report_says_how_many_tokens_came_from_drafts(tmp_path):
     assert r.exit_code == 0, r.output
     # 1 accepted draft of 1 + 40 + 2 and 1 + 41 tokens
     assert "tokens from accepted drafts             1.2%  (1 / 85 generated)" in r.stdout
+    # predicted over the rounds that drafted (p = 1/2: one of 82 rounds makes 1.94 tokens),
+    # one token in the others, as observed
+    assert "1.01 observed, 1.01 predicted" in r.stdout
 
 
 def test_jobs_list_has_a_legend():

@@ -102,6 +102,23 @@ def test_formulas_take_numbers_and_polars_expressions():
     assert contract.expected_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
 
 
+def test_a_requests_theoretical_speedup_takes_each_rounds_own_drafts():
+    """A round of n drafts makes (1 - p^(n+1)) / (1 - p) tokens (one at n = 0, an adaptive
+    engine's plain step) and costs n draft forwards from a model (none from a lookup). A row
+    that drafted one round in 41 is priced near plain decoding's 1.0, not at what drafting k
+    every round would make; rounds that all draft k from a model give Leviathan's formula."""
+    e = contract.expected_tokens_per_pass
+    theo = contract.rounds_speedup_theoretical
+    assert theo(0.9, [4] * 3, ["/m"] * 3, 0.1) == pytest.approx(e(0.9, 4) / (1 + 4 * 0.1))
+    rare = theo(0.9, [4] + [0] * 40, ["/m"] + [None] * 40, 0.1)
+    assert rare == pytest.approx((e(0.9, 4) + 40) / 41 / (1 + 0.4 / 41)) and rare < 1.07
+    assert theo(1.0, [1] * 8 + [0] * 31, ["/m"] * 8 + [None] * 31, 0.0) == \
+        pytest.approx((8 * 2 + 31) / 39)    # one draft a round: two tokens at most
+    assert theo(0.5, [4, 2], ["suffix", "/m"], 0.25) == pytest.approx(
+        (e(0.5, 4) + e(0.5, 2)) / 2 / (1 + 0.25 * 2 / 2))   # the lookup's drafts are free
+    assert theo(0.5, [], [], 0.1) is None
+
+
 BACKENDS = ["torch", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

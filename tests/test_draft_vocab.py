@@ -57,8 +57,10 @@ def test_greedy_outputs_do_not_change(tiny_llama, tmp_path):
     assert llm.engine.cost_ratio("default") == pytest.approx(1.0)
     assert whole.engine.cost_ratio("default") == pytest.approx(1.0)
     s = contract.summarize(contract.totals([outs[0].stats]))
-    assert outs[0].stats["speedup_theoretical"] == pytest.approx(contract.speedup_theoretical(
-        s["token_acceptance_prob"], 4, llm.engine.cost_ratio("default+vocab")))
+    assert outs[0].stats["speedup_theoretical"] == pytest.approx(
+        contract.rounds_speedup_theoretical(
+            s["token_acceptance_prob"], outs[0].stats["round_drafted"],
+            outs[0].stats["round_source"], llm.engine.cost_ratio("default+vocab")))
 
 
 def test_each_row_chooses_by_its_temperature(tiny_llama, tmp_path):
@@ -99,7 +101,9 @@ def test_each_row_chooses_by_its_temperature(tiny_llama, tmp_path):
         s = contract.summarize(contract.totals([o.stats]))
         c = engine.cost_ratio("default+vocab" if o.request_id in greedy else "default")
         assert o.stats["speedup_theoretical"] == pytest.approx(
-            contract.speedup_theoretical(s["token_acceptance_prob"], 4, c))
+            contract.rounds_speedup_theoretical(s["token_acceptance_prob"],
+                                                o.stats["round_drafted"],
+                                                o.stats["round_source"], c))
     assert engine.cost_ratio("default+vocab") < engine.cost_ratio("default")
 
 

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from batchspec.config import NGRAM, SUFFIX, EngineConfig, draft_sources, draft_vocab_for
-from batchspec.contract import Request, request_seed
+from batchspec.config import EngineConfig, draft_sources, draft_vocab_for
+from batchspec.contract import NGRAM, SUFFIX, Request, request_seed
 from batchspec.engine.block_manager import BlockManager
 from batchspec.engine.distributed import make_target_runner
 from batchspec.engine.runner import ModelRunner

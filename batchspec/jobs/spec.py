@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from batchspec.config import SUFFIX, EngineConfig, draft_sources
-from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
+from batchspec.config import EngineConfig, draft_sources
+from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS, SUFFIX
 from batchspec.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")

@@ -65,7 +65,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         ("per-token acceptance p", _num(r["token_acceptance_prob"])),
         ("tokens per target pass (speculative)",
          f"{_num(sp['tokens_per_pass'], 2)} observed, {_num(sp['predicted_tokens_per_pass'], 2)}"
-         f" predicted by (1-p^(k+1))/(1-p), k={k}"),
+         f" predicted by (1-p^(n+1))/(1-p), n each round's drafts (k={k})"),
         ("speedup_theoretical (engine, mean)", _num(sp["speedup_theoretical_mean"], 2)),
         ("observed speedup (tokens/s vs plain)", observed),
         ("rounds cut short by confidence", _pct(s["skip_rate"])),

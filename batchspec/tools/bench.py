@@ -189,13 +189,10 @@ def _start_afresh(llm, fresh_prompts=False):
 
 def _engine_result(outs, wall):
     from batchspec.contract import totals
-    sources = [src for o in outs for src in o.stats["round_source"]]
-    model_rounds = sum(src not in (None, "ngram", "suffix") for src in sources)
-    drafted_rounds = sum(src is not None for src in sources)
     return {"tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall,
             "totals": totals(o.stats for o in outs),
-            "round_shares": (drafted_rounds / max(len(sources), 1),
-                             model_rounds / max(len(sources), 1))}
+            "round_lists": ([n for o in outs for n in o.stats["round_drafted"]],
+                       [src for o in outs for src in o.stats["round_source"]])}
 
 
 def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype, **engine):
@@ -226,21 +223,23 @@ def draft_cost(llm, temperature: float) -> float:
 
 
 def finish_row(row, k, cost):
-    from batchspec.contract import speedup_theoretical, summarize
+    from batchspec.contract import rounds_speedup_theoretical, summarize
     row["tok_s"] = round(row["tokens"] / row["wall_s"], 1)
     if cost:
         row["cost_ratio"] = round(cost, 4)
     t = row.pop("totals", None)
-    shares = row.pop("round_shares", (1.0, 1.0))
+    drafted, sources = row.pop("round_lists", ([], []))
     if t and t["total_drafted"]:
         s = summarize(t)
         row["alpha"] = round(s["acceptance_rate"], 4)
         row["tokens_per_pass"] = round(s["mean_accepted_length"], 3)
-        # p, not α: the per-token acceptance the formula assumes (batchspec.contract).
-        # Rounds without drafts (adaptive lengths' plain steps) make one token, and only the
-        # rounds a model drafted pay its cost (not lookup or plain rounds).
-        row["speedup_theoretical"] = round(
-            speedup_theoretical(s["token_acceptance_prob"] or 0.0, k, cost, *shares), 3)
+        # p, not α: the per-token acceptance the formula assumes (batchspec.contract), at
+        # each round's own drafts (adaptive lengths' plain steps make one token), a model's
+        # cost paid only for the tokens it drafted (not lookup or plain rounds)
+        theory = rounds_speedup_theoretical(s["token_acceptance_prob"] or 0.0, drafted,
+                                            sources, cost)
+        if theory is not None:
+            row["speedup_theoretical"] = round(theory, 3)
     return row
 
 
