@@ -75,8 +75,18 @@ def make_records(n: int, seed: int = 0, job_id: str = "job0") -> pa.Table:
     with np.errstate(divide="ignore", invalid="ignore"):
         alpha = np.where(drafted_r > 0, accepted_r / drafted_r, np.nan)
         p_hat = np.clip(accepted_r / (accepted_r + rejections), 0, 0.999)
-    passes = (1 - p_hat ** (k + 1)) / (1 - p_hat)
-    speedup = np.where(is_plain, np.nan, passes / (1 + k * DRAFT_COST))
+    # each round at its own drafts (contract.rounds_speedup_theoretical); n-gram drafts free
+    ph = p_hat[req]
+    passes = per_request((1 - ph ** (window + 1)) / (1 - ph)) / num_rounds
+    model = DRAFTS[dom] != "ngram"
+    cost = per_request(window * model[req]) / num_rounds * DRAFT_COST
+    speedup = np.where(is_plain, np.nan, passes / (1 + cost))
+    prompt = rng.integers(32, 2049, n)
+    cached = np.where(rng.random(n) < 0.5, 0, (prompt * rng.uniform(0, 0.9, n)).astype(np.int64))
+    labels = pa.DictionaryArray.from_arrays(
+        pa.array(dom[req].astype(np.int32), mask=window == 0), pa.array(DRAFTS)).cast(pa.string())
+    sources = pa.ListArray.from_arrays(
+        pa.array(np.concatenate([[0], np.cumsum(num_rounds)]).astype(np.int32)), labels)
     per_pass_s = 0.02 * np.where(is_plain, 1.0, 1 + k * DRAFT_COST)
     cols = {
         "request_id": pa.array(np.char.add(f"{job_id}-", np.arange(n).astype(str))),
@@ -87,6 +97,8 @@ def make_records(n: int, seed: int = 0, job_id: str = "job0") -> pa.Table:
         "draft": pa.array(DRAFTS[dom], mask=is_plain),
         "temperature": pa.array(temp), "k_max": pa.array(k.astype(np.int32)),
         "confidence_threshold": pa.array(np.full(n, 0.3, np.float32)),
+        "prompt_tokens": pa.array(prompt.astype(np.int32)),
+        "cached_prompt_tokens": pa.array(cached.astype(np.int32)),
         "tokens_generated": pa.array(tokens_r.astype(np.int32)),
         "rounds": pa.array(num_rounds.astype(np.int32)),
         "total_drafted": pa.array(drafted_r.astype(np.int32)),
@@ -95,7 +107,7 @@ def make_records(n: int, seed: int = 0, job_id: str = "job0") -> pa.Table:
         "mean_accepted_length": pa.array(tokens_r / num_rounds),
         "drafted_per_depth": _lists(drafted_d, k), "accepted_per_depth": _lists(accepted_d, k),
         "round_output_pos": _lists(pos, num_rounds), "round_drafted": _lists(window, num_rounds),
-        "round_accepted": _lists(accepted, num_rounds),
+        "round_accepted": _lists(accepted, num_rounds), "round_source": sources,
         "skipped_by_confidence": pa.array(per_request(cut & ~is_plain[req]).astype(np.int32)),
         "fallback_triggered": pa.array(fell_back),
         "speedup_theoretical": pa.array(speedup, from_pandas=True),
