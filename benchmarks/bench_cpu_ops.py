@@ -78,7 +78,17 @@ def ragged_rows(lo: int = 32, hi: int = 300, passes: int = 3):
     added to the process's resident memory. The weights stay warm (one copy each): what
     differs is the per-shape work."""
     import random
-    _, pack = weight_packer(torch.bfloat16, torch.device("cpu"))
+    kind, pack = weight_packer(torch.bfloat16, torch.device("cpu"))
+    try:   # oneDNN packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT)
+        prepack(torch.zeros(16, 16).bfloat16())
+    except RuntimeError as e:
+        print(f"\nbf16 products at ragged row counts: skipped, oneDNN cannot pack bf16 "
+              f"weights on this CPU ({e})")
+        return
+    if kind not in ("amx", "avx512_bf16"):
+        print("\nbf16 products at ragged row counts: skipped, the C++ op has no bf16 path "
+              "on this CPU")
+        return
     shapes = [(512, 256), (256, 256), (1536, 256), (256, 768), (4096, 256)]
     ws = [torch.randn(n, k).bfloat16() for n, k in shapes]
     counts = list(range(lo, hi))
