@@ -15,9 +15,9 @@ in a rejection). p, not α = accepted / drafted, is the i.i.d. rate the formula 
 counts the drafts after a rejection, which are never judged. A request's rounds need not
 draft k alike (adaptive lengths choose each round's, plain steps draft none; a routed row's
 lookup rounds cost no draft forward): its speedup_theoretical takes each round's own count n
-(rounds_speedup_theoretical: the mean of E at n over its rounds, E = 1 at n = 0, over 1 + c
-times the model-drafted tokens a round), which is the formula above where every round drafts
-k from a model."""
+(expected_tokens_per_round: the mean of E at n over its rounds, E = 1 at n = 0; over 1 + c
+times the tokens draft models drafted a round: rounds_speedup_theoretical), which is the
+formula above where every round drafts k from a model."""
 from __future__ import annotations
 
 import hashlib
@@ -151,7 +151,8 @@ def acceptance_record(seq: Sequence, *, target: str, draft_path: str | None, k_m
         "skipped_by_confidence": s.skipped_by_confidence,
         "fallback_triggered": s.fallback_triggered,
         "speedup_theoretical": None if not drafted else
-        rounds_speedup_theoretical(p or 0.0, s.round_drafted, s.round_source, cost_ratio),
+        rounds_speedup_theoretical(p or 0.0, s.rounds, s.drafted_per_depth,
+                                   model_drafted(s.round_drafted, s.round_source), cost_ratio),
         "wall_s": (seq.finish_time or seq.arrival_time)
         - (seq.first_scheduled_time or seq.arrival_time),
     }
@@ -215,24 +216,31 @@ def expected_tokens_per_pass(p: float, k):
     return (1.0 - p ** (k + 1)) / (1.0 - p)
 
 
-def rounds_speedup_theoretical(p: float, round_drafted: Iterable[int],
-                               round_source: Iterable[str | None],
-                               cost_ratio: float) -> float | None:
-    """speedup_theoretical over rounds of their own draft counts (a record's round_drafted
-    and round_source, or several records' joined): the mean over rounds of
-    expected_tokens_per_pass(p, n), n the round's drafts (1 token where it drafted none), over
-    1 + c times the drafts a round that a draft model made (a lookup's cost no forward). A row
-    of an adaptive engine that drafted one round in 41 is priced near plain decoding's 1.0,
-    not at what drafting k every round would make. None without rounds."""
-    rounds = tokens = model_drafts = 0
-    for n, src in zip(round_drafted, round_source, strict=True):
-        rounds += 1
-        tokens += expected_tokens_per_pass(p, n)
-        if n and src not in LOOKUP_SOURCES:
-            model_drafts += n
+def expected_tokens_per_round(p: float, rounds: int, drafted_per_depth) -> float | None:
+    """The mean over `rounds` rounds of expected_tokens_per_pass(p, n), n each round's drafts
+    (one token where a round drafted none), from drafted_per_depth[d], the rounds that drafted
+    more than d tokens: a round of n drafts makes 1 + p + ... + p^n. None without rounds."""
     if not rounds:
         return None
-    return tokens / rounds / (1.0 + cost_ratio * model_drafts / rounds)
+    return 1.0 + sum(n * p ** (d + 1) for d, n in enumerate(drafted_per_depth)) / rounds
+
+
+def model_drafted(round_drafted: Iterable[int], round_source: Iterable[str | None]) -> int:
+    """Tokens that draft models drafted in these rounds (a lookup's cost no forward)."""
+    return sum(n for n, src in zip(round_drafted, round_source, strict=True)
+               if n and src not in LOOKUP_SOURCES)
+
+
+def rounds_speedup_theoretical(p: float, rounds: int, drafted_per_depth, model_drafted_: int,
+                               cost_ratio: float) -> float | None:
+    """speedup_theoretical over rounds of their own draft counts (a record's, or several
+    records' summed): expected_tokens_per_round over 1 + c times the tokens draft models
+    drafted a round (model_drafted). A row of an adaptive engine that drafted one round in
+    41 is priced near plain decoding's 1.0, not at what drafting k every round would make;
+    where every round drafts k from a model, Leviathan's E(p, k) / (1 + k c). None without
+    rounds."""
+    tokens = expected_tokens_per_round(p, rounds, drafted_per_depth)
+    return None if tokens is None else tokens / (1.0 + cost_ratio * model_drafted_ / rounds)
 
 
 SUMMARY_COUNTERS = ("prompt_tokens", "cached_prompt_tokens", "tokens_generated",

@@ -123,9 +123,9 @@ def main() -> int:
 
 
 def drafted_share(result: dict) -> float:
-    """The share of a run's rounds that drafted (run_engines_in_turns' round_lists)."""
-    drafted = result["round_lists"][0]
-    return sum(n > 0 for n in drafted) / max(len(drafted), 1)
+    """The share of a run's rounds that drafted (those that drafted at depth 0)."""
+    per_depth = result["drafted_per_depth"]
+    return (per_depth[0] if per_depth else 0) / max(result["totals"]["rounds"], 1)
 
 
 if __name__ == "__main__":

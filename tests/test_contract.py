@@ -106,9 +106,18 @@ def test_a_requests_theoretical_speedup_takes_each_rounds_own_drafts():
     """A round of n drafts makes (1 - p^(n+1)) / (1 - p) tokens (one at n = 0, an adaptive
     engine's plain step) and costs n draft forwards from a model (none from a lookup). A row
     that drafted one round in 41 is priced near plain decoding's 1.0, not at what drafting k
-    every round would make; rounds that all draft k from a model give Leviathan's formula."""
+    every round would make; rounds that all draft k from a model give Leviathan's formula.
+    The mean comes from the rounds' drafts per depth (what records and the report keep)."""
     e = contract.expected_tokens_per_pass
-    theo = contract.rounds_speedup_theoretical
+
+    def theo(p, drafted, sources, c):
+        per_depth = [sum(n > d for n in drafted) for d in range(max(drafted, default=0))]
+        return contract.rounds_speedup_theoretical(
+            p, len(drafted), per_depth, contract.model_drafted(drafted, sources), c)
+    for p in (0.0, 0.5, 0.9, 1.0):
+        drafted = [4, 0, 2, 1, 0, 3]
+        assert contract.expected_tokens_per_round(p, 6, [4, 3, 2, 1]) == \
+            pytest.approx(sum(e(p, n) for n in drafted) / 6)
     assert theo(0.9, [4] * 3, ["/m"] * 3, 0.1) == pytest.approx(e(0.9, 4) / (1 + 4 * 0.1))
     rare = theo(0.9, [4] + [0] * 40, ["/m"] + [None] * 40, 0.1)
     assert rare == pytest.approx((e(0.9, 4) + 40) / 41 / (1 + 0.4 / 41)) and rare < 1.07
@@ -117,6 +126,7 @@ def test_a_requests_theoretical_speedup_takes_each_rounds_own_drafts():
     assert theo(0.5, [4, 2], ["suffix", "/m"], 0.25) == pytest.approx(
         (e(0.5, 4) + e(0.5, 2)) / 2 / (1 + 0.25 * 2 / 2))   # the lookup's drafts are free
     assert theo(0.5, [], [], 0.1) is None
+    assert contract.model_drafted([4, 0, 2, 3], ["/m", None, "ngram", "/m"]) == 7
 
 
 BACKENDS = ["torch", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])

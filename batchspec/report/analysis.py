@@ -71,7 +71,6 @@ is_speculative = pl.col("draft").is_not_null()
 decode_tokens = contract.decode_tokens(pl.col("tokens_generated"))
 
 
-
 def _rates() -> list[pl.Expr]:
     """Aggregates shared by the overall summary and every breakdown row."""
     drafted, accepted = _sum("total_drafted"), _sum("total_accepted")
@@ -193,29 +192,16 @@ def speedup_query(lf: pl.LazyFrame) -> pl.LazyFrame:
                  theoretical.count().alias("speedup_theoretical_count")))
 
 
-def round_drafts_query(lf: pl.LazyFrame) -> pl.LazyFrame:
-    """Speculative requests' rounds by how many tokens each drafted (0: a plain step)."""
-    return (lf.filter(is_speculative).select(pl.col("round_drafted").explode().alias("n"))
-            .drop_nulls().group_by("n").agg(pl.len().alias("rounds")))
-
-
-def _speedup(sp: pl.DataFrame, p: float | None, drafts: pl.DataFrame | None) -> dict:
-    """drafts: round_drafts_query's rounds by draft count (None for records without
-    round_drafted: every round counts as drafting k)."""
+def _speedup(sp: pl.DataFrame, p: float | None, depth: pl.DataFrame) -> dict:
+    """depth: depth_query's drafts per depth (plain requests draft none), which with the
+    speculative requests' rounds give the tokens a pass their windows predict."""
     spec, plain = sp.filter("speculative"), sp.filter(~pl.col("speculative"))
-    if p is None:
-        predicted = pl.lit(None, pl.Float64)
-    elif drafts is None:
-        predicted = _ratio((pl.col("rounds") * contract.expected_tokens_per_pass(
-            p, pl.col("k"))).sum(), pl.col("rounds").sum())
-    else:   # each round at its own draft count (one token where it drafted none)
-        n = drafts["rounds"].sum()
-        predicted = pl.lit(sum(r * contract.expected_tokens_per_pass(p, k) for k, r in
-                               drafts.iter_rows()) / n if n else None, pl.Float64)
+    predicted = None if p is None else contract.expected_tokens_per_round(
+        p, spec["rounds"].sum(), depth.sort("depth")["drafted"].to_list())
     out = spec.select(
         contract.mean_accepted_length(pl.col("decode_tokens").sum(), pl.col("rounds").sum())
         .alias("tokens_per_pass"),
-        predicted.alias("predicted_tokens_per_pass"),
+        pl.lit(predicted, pl.Float64).alias("predicted_tokens_per_pass"),
         _ratio(pl.col("speedup_theoretical_sum").sum(), pl.col("speedup_theoretical_count").sum())
         .alias("speedup_theoretical_mean"),
         pl.col("k").unique().sort().implode().alias("k"),
@@ -258,10 +244,9 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
     queries = [summary_query(lf, columns), depth_query(lf), position_query(lf),
                histogram_query(lf), outliers_query(lf, num_outliers, min_drafted),
                speedup_query(lf), sources,
-               round_drafts_query(lf) if "round_drafted" in columns else pl.LazyFrame(),
                *(breakdown_query(lf, k) for k in by)]
     # The streaming engine runs the ~30M-row explode of the per-round lists in half the time.
-    summary, depth, position, hist, outliers, sp, by_source, drafts, *groups = pl.collect_all(
+    summary, depth, position, hist, outliers, sp, by_source, *groups = pl.collect_all(
         queries, engine="streaming")
 
     summary = summary.to_dicts()[0]
@@ -275,7 +260,7 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
         "files": None if files is None else len(files),
         "token_acceptance_prob": p,
         "summary": summary,
-        "speedup": _speedup(sp, p, drafts if "round_drafted" in columns else None),
+        "speedup": _speedup(sp, p, depth),
         "by": {k: g.to_dicts() for k, g in zip(by, groups, strict=True)},
         "by_depth": depth.to_dicts(),
         "by_position": position.to_dicts(),

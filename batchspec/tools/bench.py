@@ -188,11 +188,17 @@ def _start_afresh(llm, fresh_prompts=False):
 
 
 def _engine_result(outs, wall):
-    from batchspec.contract import totals
+    from batchspec.contract import model_drafted, totals
+    per_depth: list[int] = []    # the rows' drafted_per_depth, summed
+    for o in outs:
+        for d, n in enumerate(o.stats["drafted_per_depth"]):
+            if d == len(per_depth):
+                per_depth.append(0)
+            per_depth[d] += n
     return {"tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall,
-            "totals": totals(o.stats for o in outs),
-            "round_lists": ([n for o in outs for n in o.stats["round_drafted"]],
-                       [src for o in outs for src in o.stats["round_source"]])}
+            "totals": totals(o.stats for o in outs), "drafted_per_depth": per_depth,
+            "model_drafted": sum(model_drafted(o.stats["round_drafted"], o.stats["round_source"])
+                                 for o in outs)}
 
 
 def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype, **engine):
@@ -228,7 +234,7 @@ def finish_row(row, k, cost):
     if cost:
         row["cost_ratio"] = round(cost, 4)
     t = row.pop("totals", None)
-    drafted, sources = row.pop("round_lists", ([], []))
+    per_depth, by_models = row.pop("drafted_per_depth", None), row.pop("model_drafted", 0)
     if t and t["total_drafted"]:
         s = summarize(t)
         row["alpha"] = round(s["acceptance_rate"], 4)
@@ -236,8 +242,8 @@ def finish_row(row, k, cost):
         # p, not α: the per-token acceptance the formula assumes (batchspec.contract), at
         # each round's own drafts (adaptive lengths' plain steps make one token), a model's
         # cost paid only for the tokens it drafted (not lookup or plain rounds)
-        theory = rounds_speedup_theoretical(s["token_acceptance_prob"] or 0.0, drafted,
-                                            sources, cost)
+        theory = None if per_depth is None else rounds_speedup_theoretical(
+            s["token_acceptance_prob"] or 0.0, t["rounds"], per_depth, by_models, cost)
         if theory is not None:
             row["speedup_theoretical"] = round(theory, 3)
     return row
