@@ -97,3 +97,16 @@ def test_report_shows_draft_names_and_says_where_it_wrote(tmp_path, monkeypatch)
     assert draft in (tmp_path / "r.json").read_text()       # the records keep the path
     r = CliRunner().invoke(report, [job, "--html", str(tmp_path / "missing" / "r.html")])
     assert r.exit_code == 1 and "cannot write" in r.stderr and "Traceback" not in r.output
+
+
+def test_help_and_the_commands_list_load_neither_torch_nor_polars():
+    # `batchspec --help` (and `status`, `submit`, `report --help`) must not wait for torch,
+    # transformers or polars: the command modules import them where a command needs them.
+    import subprocess
+    import sys
+    code = ("import sys; from batchspec.cli import _register, cli; _register(); "
+            "from click.testing import CliRunner; r = CliRunner().invoke(cli, ['--help']); "
+            "assert r.exit_code == 0 and 'report' in r.output and 'bench' in r.output, r.output; "
+            "print(sorted({'torch', 'transformers', 'polars'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -12,7 +12,6 @@ import click
 
 from batchspec import contract
 from batchspec.jobs.display import draft_name
-from batchspec.report.analysis import POSITION_BUCKETS, NoAcceptanceData, analyze
 from batchspec.report.charts import bar_chart
 
 PLAIN = "(plain)"
@@ -130,6 +129,7 @@ def render_text(r: dict) -> str:
 
 def charts(r: dict) -> list[str]:
     """One <svg> per chart: position, depth, each --by key, distribution."""
+    from batchspec.report.analysis import POSITION_BUCKETS
     pos = {g["position"]: g for g in r["by_position"]}
     out = [bar_chart("chart-position", "α by output position", POSITION_BUCKETS,
                      [pos.get(b, {}).get("acceptance_rate") for b in POSITION_BUCKETS],
@@ -200,6 +200,7 @@ def report(paths, json_path, html_path, by, num_outliers, min_drafted):
     """Acceptance rate (α) of the jobs whose output dirs (or acceptance parquet files, or
     globs) are OUT...: overall, by domain/draft/temperature, by output position and draft
     depth, with the lowest-α requests."""
+    from batchspec.report.analysis import NoAcceptanceData, analyze  # (polars: not for --help)
     keys = [k.strip() for k in by.split(",") if k.strip()]
     try:
         r = analyze(paths, by=keys, num_outliers=num_outliers, min_drafted=min_drafted)

@@ -36,12 +36,9 @@ import time
 from functools import partial
 
 import click
-import torch
 
 from batchspec.config import draft_vocab_for
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
-from batchspec.llm import freeze_heap
-from batchspec.tools import hfref
 from batchspec.tools.evaluate import load_prompts
 
 METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive",
@@ -77,25 +74,28 @@ def _csv(kind):
 
 
 def run_hf(model, prompt_ids, *, batch_size, temperature, max_tokens, eos_id, seed):
+    from batchspec.tools import hfref
     t0 = time.perf_counter()
     outs = hfref.generate(model, prompt_ids, max_tokens=max_tokens, temperature=temperature,
                           eos_id=eos_id, seed=seed, batch_size=batch_size)
     return {"tokens": sum(len(o) for o in outs), "wall_s": time.perf_counter() - t0}
 
 
-@torch.no_grad()
 def run_assisted(model, draft, prompt_ids, *, temperature, max_tokens, eos_id, seed, k):
+    import torch
     sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) \
         if temperature > 0 else dict(do_sample=False)
     tokens, t0 = 0, time.perf_counter()
-    for i, ids in enumerate(prompt_ids):
-        torch.manual_seed(seed + i)
-        gen = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                             dtype=torch.long), assistant_model=draft, max_new_tokens=max_tokens,
-                             num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                             assistant_confidence_threshold=0.0, pad_token_id=eos_id,
-                             eos_token_id=eos_id, **sample)
-        tokens += gen.shape[1] - len(ids)
+    with torch.no_grad():
+        for i, ids in enumerate(prompt_ids):
+            torch.manual_seed(seed + i)
+            gen = model.generate(
+                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                dtype=torch.long), assistant_model=draft, max_new_tokens=max_tokens,
+                num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=0.0, pad_token_id=eos_id,
+                eos_token_id=eos_id, **sample)
+            tokens += gen.shape[1] - len(ids)
     return {"tokens": tokens, "wall_s": time.perf_counter() - t0}
 
 
@@ -333,7 +333,11 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
           min_batches, max_tokens, batch_sizes, temperatures, methods, k, threshold, repeats,
           turns, slice_ms, threads, dtype, fresh_prompts, seed, json_path):
     """Benchmark transformers and batchspec side by side on the same prompts and target."""
+    import torch
+
+    from batchspec.llm import freeze_heap
     from batchspec.models.loader import num_parameters
+    from batchspec.tools import hfref
     models = {"target": target, "draft": draft, "draft-code": draft_code,
               "draft-docs": draft_docs}
     if target is None:  # the demo family

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
-from batchspec.tools import hfref
 from batchspec.tools.evaluate import evaluate_pair, load_prompts
-from batchspec.tools.training import load_llama, new_llama, save_hf, train
+
+if TYPE_CHECKING:
+    import torch
 
 # The bundled drafts: one layer, hidden 192; head_dim 64 like the target.
 DRAFT_SIZE = dict(hidden_size=192, num_layers=1, num_heads=3, num_kv_heads=1,
@@ -26,6 +27,7 @@ DRAFT_SIZE = dict(hidden_size=192, num_layers=1, num_heads=3, num_kv_heads=1,
 
 def make_sequences(target_model, tok, prompts: list[dict], *, max_tokens: int, seed: int):
     """(prompt_ids, continuation_ids) per prompt: even prompts greedy, odd ones at T=1."""
+    from batchspec.tools import hfref
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     conts: list = [None] * len(ids)
     for parity, temperature in ((0, 0.0), (1, 1.0)):
@@ -42,6 +44,9 @@ def kl_loss(target_model, draft_model, prompts, conts, step: int, *, batch_size:
             pad_id: int, seed: int) -> torch.Tensor:
     """Mean forward KL(p_target || q_draft) over all predicted positions of a batch drawn
     from the step index (so a resumed run sees the same batches)."""
+    import torch
+
+    from batchspec.tools import hfref
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     idx = torch.randint(0, len(prompts), (batch_size,), generator=g).tolist()
     rows = [prompts[i] + conts[i] for i in idx]
@@ -66,6 +71,10 @@ def distill_draft(target: str, out_dir: str, *, data: str | None = None,
     """Distil a draft for `target` into out_dir; returns the report also written to
     out_dir/distill.json. Work files (generated sequences, checkpoint) live in work_dir
     (default OUT.work) and are removed on success; re-running resumes from them."""
+    import torch
+
+    from batchspec.tools import hfref
+    from batchspec.tools.training import load_llama, new_llama, save_hf, train
     work_dir = work_dir or out_dir.rstrip("/") + ".work"
     os.makedirs(work_dir, exist_ok=True)
     tok = hfref.load_tokenizer(target)

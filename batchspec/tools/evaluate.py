@@ -15,7 +15,6 @@ import click
 
 from batchspec import contract
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
-from batchspec.tools import hfref
 
 
 def load_prompts(data: str | None, domain: str | None, num: int | None, *, split: str,
@@ -47,6 +46,8 @@ def load_prompts(data: str | None, domain: str | None, num: int | None, *, split
 
 def _records_transformers(target, draft, prompts, *, k, temperature, max_tokens, seed, dtype):
     import torch
+
+    from batchspec.tools import hfref
     tok = hfref.load_tokenizer(target)
     t_model = hfref.load_causal_lm(target, getattr(torch, dtype))
     d_model = hfref.load_causal_lm(draft, getattr(torch, dtype))
