@@ -96,6 +96,52 @@ def test_model_without_tokenizer_takes_token_ids(tmp_path):
         llm.generate(["text"], use_tqdm=False)
 
 
+def _tokenizer_facts(tok, text: str, messages: list[dict]) -> dict:
+    ids = tok.encode(text, add_special_tokens=False)
+    return {"class": type(tok), "vocab": tok.get_vocab(), "eos": tok.eos_token_id,
+            "special": tok.all_special_ids, "init": tok.init_kwargs,
+            "backend": tok.backend_tokenizer.to_str(), "ids": ids,
+            "with_special": tok.encode(text), "text": tok.decode(ids, skip_special_tokens=True),
+            "raw": tok.decode(ids), "chat": tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False)
+            if tok.chat_template else None}
+
+
+@pytest.mark.parametrize("which", ["demo", "tiny"])
+def test_tokenizers_load_as_autotokenizer_builds_them(which, tiny_llama, tmp_path):
+    # load_tokenizer loads the generic class without AutoTokenizer's detour through the
+    # model's config: the same tokenizer, down to its settings and every output
+    from transformers import AutoTokenizer
+
+    from batchspec.demo import demo_models
+    from batchspec.models.loader import load_tokenizer
+    path = demo_models()["target"] if which == "demo" else tiny_llama
+    text = "def f(x):\n    return x  # ü, 東京<|endoftext|> and  two  spaces\n\n"
+    messages = [{"role": "user", "content": "Summarise: the cat sat."}]
+    ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert _tokenizer_facts(ours, text, messages) == _tokenizer_facts(auto, text, messages)
+    # without AutoTokenizer's detour: no model family's module (nor the auto classes) loaded
+    import subprocess
+    import sys
+    code = ("import sys; from batchspec.models.loader import load_tokenizer; "
+            f"load_tokenizer({path!r}); "
+            "print([m for m in sys.modules if m.startswith('transformers.models.')])")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+    # a model family's class (here Qwen2's, over the same files) goes through AutoTokenizer
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in os.listdir(path):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            with open(os.path.join(path, name), "rb") as f:
+                (other / name).write_bytes(f.read())
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg | {"tokenizer_class":
+                                                                    "Qwen2Tokenizer"}))
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert type(load_tokenizer(str(other))).__name__ == "Qwen2Tokenizer"
+
+
 @pytest.mark.parametrize("dtype,layout", [("float32", "onednn"), ("float32", "avx2"),
                                           ("bfloat16", "onednn"), ("bfloat16", "amx"),
                                           ("bfloat16", "avx512_bf16")])
