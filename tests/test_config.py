@@ -1,4 +1,7 @@
 """EngineConfig: one validation path with errors that say what to fix."""
+import json
+import os
+
 import pytest
 
 from batchspec.config import EngineConfig
@@ -57,6 +60,30 @@ def test_auto_dtype_follows_the_stored_weights(model_factory, tiny_llama):
     assert [default_dtype(p, "cuda") for p in (tiny_llama, bf16, fp16)] == \
         ["bfloat16", "bfloat16", "float16"]
     assert EngineConfig(model=bf16, device="cpu", dtype="float32").dtype == "float32"
+
+
+def test_stored_dtype_reads_headers_without_torch(tmp_path, tiny_llama):
+    """The dtype comes from the safetensors headers, read as bytes: `batchspec submit`
+    checks a job (its EngineConfig, dtype auto) without loading torch. A file whose header
+    cannot be read leaves config.json's dtype; loading the weights reports the file."""
+    import shutil
+    import subprocess
+    import sys
+    code = ("import sys; from batchspec.jobs.spec import JobSpec; "
+            f"s = JobSpec.build(inputs=['in.parquet'], output='out', model={tiny_llama!r}); "
+            "print(s.engine_config(device='cpu').dtype, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["float32", "False"], out.stdout + out.stderr
+    from batchspec.models.loader import stored_dtype
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_llama, bad)
+    for name in os.listdir(bad):
+        if name.endswith(".safetensors"):
+            (bad / name).write_bytes(b"\xff" * 8 + b"{}")   # a header length of 2^64 - 1
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}))
+    assert stored_dtype(str(tiny_llama)) == "float32" and stored_dtype(str(bad)) == "bfloat16"
 
 
 def test_the_cpu_is_named_by_its_widest_matrix_instructions():

@@ -8,8 +8,10 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # (torch loads with the weights: `batchspec submit` checks a job without it)
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -152,16 +154,25 @@ def _tokenizer_class(path: str) -> str | None:
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
+def safetensors_header(file: str) -> dict:
+    """A .safetensors file's header: each tensor's dtype, shape and offsets, read without
+    torch (a little-endian u64 length, then that many bytes of JSON)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 2 <= size <= 100 * 2 ** 20:
+            raise ValueError(f"{file}: not a safetensors file (header of {size} bytes)")
+        return json.loads(f.read(size))
+
+
 def stored_dtype(path: str) -> str | None:
     """The floating-point dtype a checkpoint's weights are stored in: the first floating
     tensor's in the safetensors headers, else config.json's `torch_dtype` (or `dtype`)."""
-    from safetensors import safe_open
     for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         try:
-            with safe_open(f, "pt") as st:
-                for k in st.keys():
-                    if (dt := SAFETENSORS_DTYPES.get(st.get_slice(k).get_dtype())):
-                        return dt
+            header = safetensors_header(f)
+            for k in sorted(header):
+                if k != "__metadata__" and (dt := SAFETENSORS_DTYPES.get(header[k]["dtype"])):
+                    return dt
         except Exception:  # unreadable here: loading the weights reports it properly
             break
     with open(os.path.join(path, "config.json")) as f:
