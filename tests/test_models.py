@@ -96,6 +96,26 @@ def test_model_without_tokenizer_takes_token_ids(tmp_path):
         llm.generate(["text"], use_tqdm=False)
 
 
+def test_the_cpu_kv_cache_takes_memory_as_rows_use_it():
+    """zeroed: zeros that the OS fills in as pages are first written, so a KV cache of a GiB
+    is not resident until rows write to it (torch.zeros wrote every byte at start-up)."""
+    from batchspec.models.llama import zeroed
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    cache = zeroed((4, 2, 2 ** 16, 4, 64), torch.bfloat16, "cpu")      # 256 MiB
+    assert cache.shape == (4, 2, 2 ** 16, 4, 64) and cache.is_contiguous()
+    assert resident() - before < 16 * 2 ** 20
+    cache[1, 0, :1024] = 1.5                                            # 512 KiB written
+    assert resident() - before < 16 * 2 ** 20
+    assert float(cache[1, 0, :2048].sum()) == 1.5 * 1024 * 4 * 64
+    assert not cache[3, 1, -2048:].any() and not cache[0, 0, :2048].any()
+    assert zeroed((0, 3), torch.float32, "cpu").shape == (0, 3)
+
+
 def _tokenizer_facts(tok, text: str, messages: list[dict]) -> dict:
     ids = tok.encode(text, add_special_tokens=False)
     return {"class": type(tok), "vocab": tok.get_vocab(), "eos": tok.eos_token_id,
