@@ -114,6 +114,12 @@ def test_the_cpu_kv_cache_takes_memory_as_rows_use_it():
     assert float(cache[1, 0, :2048].sum()) == 1.5 * 1024 * 4 * 64
     assert not cache[3, 1, -2048:].any() and not cache[0, 0, :2048].any()
     assert zeroed((0, 3), torch.float32, "cpu").shape == (0, 3)
+    # private to the process, as torch.zeros's memory is: a forked child's writes stay its own
+    pid = os.fork()
+    if pid == 0:
+        cache[2, 1, :16] = 7.0
+        os._exit(0 if float(cache[2, 1, :16].sum()) == 7.0 * 16 * 4 * 64 else 1)
+    assert os.waitpid(pid, 0)[1] == 0 and not cache[2, 1, :16].any()
 
 
 def _tokenizer_facts(tok, text: str, messages: list[dict]) -> dict:

@@ -36,7 +36,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     if not count:
         return torch.zeros(shape, dtype=dtype)
     size = count * torch.tensor([], dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype, count=count).view(shape)
+    # private, as malloc's memory is (a forked process copies on write; Python's default,
+    # MAP_SHARED, would let a forked worker write into its parent's cache)
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 class PackedWeight(NamedTuple):
