@@ -116,15 +116,23 @@ class Campaign:
                 "to_final_s": (dt.datetime.fromisoformat(end) - t_fault).total_seconds()
                 if end else None}
 
-    def kill_trial(self, rng: random.Random) -> dict:
-        """kill -9 of the victim's process group at a random time while the job runs."""
-        job_id, out, ids = self.submit()
-        time.sleep(rng.uniform(1.0, 8.0))
-        victim = self.workers["victim"]
-        pids = victim.pids()
+    def held_by_victim(self, job_id: str) -> list[str]:
+        """The job's running shards whose lease the victim's processes hold."""
+        pids = self.workers["victim"].pids()
         info = self.store.shard_info(job_id)
-        held = [s for s, st in self.store.shard_states(job_id).items()
+        return [s for s, st in self.store.shard_states(job_id).items()
                 if st == "running" and info.get(s, {}).get("pid") in pids]
+
+    def kill_trial(self, rng: random.Random) -> dict:
+        """kill -9 of the victim's process group at a random moment, 0-2 s after it has
+        started a shard of the job (a fixed window after submitting missed the job in half
+        the trials once a worker's models loaded in a few seconds)."""
+        job_id, out, ids = self.submit()
+        wait_until(lambda: self.held_by_victim(job_id) or self.state(job_id) in FINAL, 120,
+                   "the victim running a shard", 0.02)
+        time.sleep(rng.uniform(0.0, 2.0))
+        victim = self.workers["victim"]
+        held = self.held_by_victim(job_id)
         t_kill = now()
         victim.kill()
         state = self.wait_final(job_id)
