@@ -217,3 +217,26 @@ def test_redis_unreachable_is_one_line_and_writes_nothing(command, tmp_path, tin
     assert lines == [f"Error: cannot reach Redis at {url} (connection refused): start "
                      f"redis-server, or pass --broker / set BATCHSPEC_REDIS_URL"], proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_weights_or_tokenizer_files_fail_in_one_line(tmp_path, tiny_llama):
+    """A truncated *.safetensors file and a malformed tokenizer_config.json, written byte by
+    byte: `run` exits 1 with one line naming the file, and writes no output."""
+    import shutil
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["hello"]}), tmp_path / "in.parquet")
+    weights = tmp_path / "weights"
+    shutil.copytree(tiny_llama, weights)
+    for name in os.listdir(weights):
+        if name.endswith(".safetensors"):
+            data = (weights / name).read_bytes()
+            (weights / name).write_bytes(data[:100])
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tiny_llama, tokenizer)
+    (tokenizer / "tokenizer_config.json").write_bytes(b'{"tokenizer_class": ')
+    for model, says in ((weights, "model.safetensors is not a readable safetensors file"),
+                        (tokenizer, f"cannot load the tokenizer of {str(tokenizer)!r}")):
+        result = run_job(tmp_path / "in.parquet", tmp_path / f"out-{model.name}", model)
+        assert result.exit_code == 1, result.output
+        assert says in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert not (tmp_path / f"out-{model.name}" / "_SUCCESS").exists()

@@ -101,7 +101,15 @@ class Checkpoint:
                 raise ValueError(f"{path!r} holds only pickle checkpoints (*.bin/*.pt), which "
                                  f"are not loaded for safety; convert them to *.safetensors")
             raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
-        self._files = [safe_open(f, "pt") for f in files]
+        self._files = []
+        for f in files:
+            try:
+                self._files.append(safe_open(f, "pt"))
+            except OSError:
+                raise
+            except Exception as e:   # a truncated or corrupt file: SafetensorError
+                raise ValueError(f"{f} is not a readable safetensors file ({e}): download or "
+                                 f"convert the weights again") from e
         self._where = {name: st for st in self._files for name in st.keys()}
 
     def __contains__(self, name: str) -> bool:
@@ -135,19 +143,26 @@ def load_tokenizer(path: str):
     model family's modules (2.3 s of a job's start-up on a 2-core CPU)."""
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
-    if _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES and \
-            os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    try:
+        if _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES and \
+                os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except OSError:
+        raise
+    except Exception as e:   # malformed tokenizer files: JSON or the tokenizers library's errors
+        raise ValueError(f"cannot load the tokenizer of {path!r} ({e}): check its tokenizer "
+                         f"files ({', '.join(TOKENIZER_FILES)})") from e
 
 
 def _tokenizer_class(path: str) -> str | None:
+    """tokenizer_config.json's class, None without the file (a malformed one raises)."""
     try:
         with open(os.path.join(path, "tokenizer_config.json")) as f:
             return json.load(f).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
+    except FileNotFoundError:
         return None
 
 
