@@ -219,22 +219,44 @@ def test_redis_unreachable_is_one_line_and_writes_nothing(command, tmp_path, tin
     assert not (tmp_path / "out").exists()
 
 
-def test_corrupt_weights_or_tokenizer_files_fail_in_one_line(tmp_path, tiny_llama):
-    """A truncated *.safetensors file and a malformed tokenizer_config.json, written byte by
-    byte: `run` exits 1 with one line naming the file, and writes no output."""
+def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
+    """A truncated *.safetensors file, a malformed tokenizer_config.json or config.json, and a
+    config.json that does not describe the weights (a layer more, another hidden size),
+    written byte by byte: `run` exits 1 with one line naming the file and what is wrong, and
+    writes no output."""
     import shutil
     pq.write_table(pa.table({"id": ["a"], "prompt": ["hello"]}), tmp_path / "in.parquet")
-    weights = tmp_path / "weights"
-    shutil.copytree(tiny_llama, weights)
+
+    def model(name: str):
+        shutil.copytree(tiny_llama, tmp_path / name)
+        return tmp_path / name
+
+    weights = model("weights")
     for name in os.listdir(weights):
         if name.endswith(".safetensors"):
             data = (weights / name).read_bytes()
             (weights / name).write_bytes(data[:100])
-    tokenizer = tmp_path / "tokenizer"
-    shutil.copytree(tiny_llama, tokenizer)
+    tokenizer = model("tokenizer")
     (tokenizer / "tokenizer_config.json").write_bytes(b'{"tokenizer_class": ')
-    for model, says in ((weights, "model.safetensors is not a readable safetensors file"),
-                        (tokenizer, f"cannot load the tokenizer of {str(tokenizer)!r}")):
+    config = model("config")
+    (config / "config.json").write_bytes(b'{"architectures": ["LlamaForCausalLM"],')
+    with open(os.path.join(tiny_llama, "config.json")) as f:
+        cfg = json.load(f)
+    layers, hidden = model("layers"), model("hidden")
+    (layers / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers":
+                                                           cfg["num_hidden_layers"] + 1}))
+    (hidden / "config.json").write_text(json.dumps(cfg | {"hidden_size": cfg["hidden_size"] * 2,
+                                                           "head_dim": cfg.get("head_dim") or
+                                                           cfg["hidden_size"] //
+                                                           cfg["num_attention_heads"]}))
+    last = cfg["num_hidden_layers"]
+    for model, says in (
+            (weights, "model.safetensors is not a readable safetensors file"),
+            (tokenizer, f"cannot load the tokenizer of {str(tokenizer)!r}"),
+            (config, f"{config / 'config.json'} is not valid JSON"),
+            (layers, f"has no tensor model.layers.{last}.input_layernorm.weight that its "
+                     f"config.json calls for"),
+            (hidden, "tensor model.embed_tokens.weight has shape")):
         result = run_job(tmp_path / "in.parquet", tmp_path / f"out-{model.name}", model)
         assert result.exit_code == 1, result.output
         assert says in result.output and "Traceback" not in result.output

@@ -191,6 +191,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def weight_shapes(cfg: ModelConfig, weights: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward reads, with its shape in the whole checkpoint by the config."""
+    E, D, Q, KV, M = (cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim,
+                      cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size)
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, E), "model.norm.weight": (E,)}
+    if not cfg.tie_word_embeddings and "lm_head.weight" in weights:
+        shapes["lm_head.weight"] = (cfg.vocab_size, E)
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        shapes |= {p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
+                   a + "q_proj.weight": (Q, E), a + "k_proj.weight": (KV, E),
+                   a + "v_proj.weight": (KV, E), a + "o_proj.weight": (E, Q),
+                   p + "mlp.gate_proj.weight": (M, E), p + "mlp.up_proj.weight": (M, E),
+                   p + "mlp.down_proj.weight": (E, M)}
+        if cfg.attention_bias:
+            shapes |= {a + "q_proj.bias": (Q,), a + "k_proj.bias": (KV,), a + "v_proj.bias": (KV,)}
+        if cfg.qk_norm:
+            shapes |= {a + "q_norm.weight": (D,), a + "k_norm.weight": (D,)}
+    return shapes
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: Checkpoint, dtype, device,
                  tp: TensorParallel = SINGLE, head_rows: torch.Tensor | None = None):
@@ -210,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
         self.kv_size = self.num_kv_heads * D
         q_rows, kv_rows = (q0 * D, (q0 + self.num_heads) * D), (kv0 * D, kv0 * D + self.kv_size)
         mlp_rows = tp.part(cfg.intermediate_size)
+
+        weights.check(weight_shapes(cfg, weights))
 
         def w(name, dim=None, rows=(0, None)):
             return weights.get(name, dim, *rows).to(device=device, dtype=dtype)

@@ -41,12 +41,27 @@ class ModelConfig:
     hidden_act: str
 
 
+def _read_json(file: str) -> dict:
+    """A JSON object from a model directory, or a ValueError naming the file."""
+    with open(file) as f:
+        try:
+            raw = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{file} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    return raw
+
+
 def read_config(path: str) -> ModelConfig:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json: give a Hugging Face model directory")
-    with open(cfg_path) as f:
-        raw = json.load(f)
+    raw = _read_json(cfg_path)
+    missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers",
+                               "num_attention_heads", "intermediate_size") if key not in raw]
+    if missing:
+        raise ValueError(f"{cfg_path} lacks {', '.join(missing)}: give the model's own config.json")
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -66,8 +81,7 @@ def read_config(path: str) -> ModelConfig:
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     gen_cfg = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_cfg):
-        with open(gen_cfg) as f:
-            g = json.load(f).get("eos_token_id")
+        g = _read_json(gen_cfg).get("eos_token_id")
         if g is not None:
             eos_ids = sorted(set(eos_ids) | set([g] if isinstance(g, int) else g))
     sliding = raw.get("sliding_window")
@@ -95,6 +109,7 @@ class Checkpoint:
 
     def __init__(self, path: str):
         from safetensors import safe_open
+        self.path = path
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
@@ -114,6 +129,18 @@ class Checkpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Raise a ValueError, saying what to fix, unless every tensor named in `shapes` is
+        here with that shape (config.json and the weights must describe the same model)."""
+        for name, shape in shapes.items():
+            if name not in self._where:
+                raise ValueError(f"{self.path!r} has no tensor {name} that its config.json "
+                                 f"calls for: the config and the weights differ")
+            if tuple(self.shape(name)) != tuple(shape):
+                raise ValueError(f"{self.path!r}: tensor {name} has shape {self.shape(name)} "
+                                 f"where its config.json makes it {list(shape)}: the config "
+                                 f"and the weights differ")
 
     def shape(self, name: str) -> list[int]:
         return list(self._where[name].get_slice(name).get_shape())
