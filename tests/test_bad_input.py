@@ -250,7 +250,9 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
                                                            cfg["hidden_size"] //
                                                            cfg["num_attention_heads"]}))
     last = cfg["num_hidden_layers"]
+    (tmp_path / "empty").mkdir()
     for model, says in (
+            (tmp_path / "empty", "has no config.json: give a Hugging Face model directory"),
             (weights, "model.safetensors is not a readable safetensors file"),
             (tokenizer, f"cannot load the tokenizer of {str(tokenizer)!r}"),
             (config, f"{config / 'config.json'} is not valid JSON"),

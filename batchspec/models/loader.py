@@ -53,10 +53,15 @@ def _read_json(file: str) -> dict:
     return raw
 
 
-def read_config(path: str) -> ModelConfig:
+def _config_path(path: str) -> str:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json: give a Hugging Face model directory")
+    return cfg_path
+
+
+def read_config(path: str) -> ModelConfig:
+    cfg_path = _config_path(path)
     raw = _read_json(cfg_path)
     missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers",
                                "num_attention_heads", "intermediate_size") if key not in raw]
@@ -217,8 +222,7 @@ def stored_dtype(path: str) -> str | None:
                     return dt
         except Exception:  # unreadable here: loading the weights reports it properly
             break
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
+    raw = _read_json(_config_path(path))
     named = raw.get("torch_dtype") or raw.get("dtype")
     return named if named in SAFETENSORS_DTYPES.values() else None
 
