@@ -172,7 +172,7 @@ def load_tokenizer(path: str):
     """The model's HF tokenizer, or None when the directory has no tokenizer files. A
     tokenizer of the generic class is loaded as that class: AutoTokenizer would build the
     same object after reading the model's config through AutoConfig, which imports the
-    model family's modules (2.3 s of a job's start-up on a 2-core CPU)."""
+    model family's modules (2-3 s of a job's start-up on a 2-core CPU)."""
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
     try:
