@@ -183,6 +183,10 @@ class EngineConfig:
             raise FileNotFoundError(
                 f"model {self.model!r} is not a directory: give a Hugging Face model "
                 f"directory with config.json and *.safetensors")
+        from batchspec.models.loader import check_model_files  # (no torch)
+        for path in {self.model, *(draft_sources(v)[0] for v in self.drafts.values())}:
+            if path not in LOOKUP_SOURCES:
+                check_model_files(path)
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if not 0.0 <= self.confidence_threshold < 1.0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchspec.cli import _register, cli
+from batchspec.config import EngineConfig
 from tests.jobdata import read_dir
 
 _register()
@@ -236,6 +238,11 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
         if name.endswith(".safetensors"):
             data = (weights / name).read_bytes()
             (weights / name).write_bytes(data[:100])
+    cut = model("cut")      # the header whole, the last tensor's bytes short
+    for name in os.listdir(cut):
+        if name.endswith(".safetensors"):
+            data = (cut / name).read_bytes()
+            (cut / name).write_bytes(data[:-1000])
     tokenizer = model("tokenizer")
     (tokenizer / "tokenizer_config.json").write_bytes(b'{"tokenizer_class": ')
     config = model("config")
@@ -254,6 +261,7 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
     for model, says in (
             (tmp_path / "empty", "has no config.json: give a Hugging Face model directory"),
             (weights, "model.safetensors is not a readable safetensors file"),
+            (cut, "model.safetensors is not a readable safetensors file"),
             (tokenizer, f"cannot load the tokenizer of {str(tokenizer)!r}"),
             (config, f"{config / 'config.json'} is not valid JSON"),
             (layers, f"has no tensor model.layers.{last}.input_layernorm.weight that its "
@@ -264,3 +272,9 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
         assert says in result.output and "Traceback" not in result.output
         assert len(result.output.strip().splitlines()) == 1
         assert not (tmp_path / f"out-{model.name}" / "_SUCCESS").exists()
+        # what `submit` checks, without torch or reading weights: the same error there
+        if model is not tokenizer:
+            with pytest.raises((ValueError, FileNotFoundError), match=re.escape(says)):
+                EngineConfig(model=str(model), device="cpu")
+            with pytest.raises((ValueError, FileNotFoundError), match=re.escape(says)):
+                EngineConfig(model=tiny_llama, drafts={"code": str(model)}, device="cpu")

@@ -19,7 +19,7 @@ from torch import nn
 
 from batchspec.layers.attention import AttentionMetadata, paged_attention
 from batchspec.layers.parallel import SINGLE, TensorParallel
-from batchspec.models.loader import Checkpoint, ModelConfig
+from batchspec.models.loader import Checkpoint, ModelConfig, weight_shapes
 
 log = logging.getLogger(__name__)
 PREPACK_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: decode/verify batches
@@ -189,27 +189,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def weight_shapes(cfg: ModelConfig, weights: Checkpoint) -> dict[str, tuple[int, ...]]:
-    """Every tensor the forward reads, with its shape in the whole checkpoint by the config."""
-    E, D, Q, KV, M = (cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim,
-                      cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size)
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, E), "model.norm.weight": (E,)}
-    if not cfg.tie_word_embeddings and "lm_head.weight" in weights:
-        shapes["lm_head.weight"] = (cfg.vocab_size, E)
-    for i in range(cfg.num_layers):
-        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        shapes |= {p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
-                   a + "q_proj.weight": (Q, E), a + "k_proj.weight": (KV, E),
-                   a + "v_proj.weight": (KV, E), a + "o_proj.weight": (E, Q),
-                   p + "mlp.gate_proj.weight": (M, E), p + "mlp.up_proj.weight": (M, E),
-                   p + "mlp.down_proj.weight": (E, M)}
-        if cfg.attention_bias:
-            shapes |= {a + "q_proj.bias": (Q,), a + "k_proj.bias": (KV,), a + "v_proj.bias": (KV,)}
-        if cfg.qk_norm:
-            shapes |= {a + "q_norm.weight": (D,), a + "k_norm.weight": (D,)}
-    return shapes
 
 
 class LlamaForCausalLM(nn.Module):

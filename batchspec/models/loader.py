@@ -108,6 +108,86 @@ def read_config(path: str) -> ModelConfig:
         hidden_act=act)
 
 
+def weight_shapes(cfg: ModelConfig, names) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward (models/llama.py) reads, with its shape in the whole
+    checkpoint by the config; `names`: the checkpoint's tensor names (an lm_head is read where
+    the embeddings are not tied and there is one)."""
+    E, D, Q, KV, M = (cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim,
+                      cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size)
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, E), "model.norm.weight": (E,)}
+    if not cfg.tie_word_embeddings and "lm_head.weight" in names:
+        shapes["lm_head.weight"] = (cfg.vocab_size, E)
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        shapes |= {p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
+                   a + "q_proj.weight": (Q, E), a + "k_proj.weight": (KV, E),
+                   a + "v_proj.weight": (KV, E), a + "o_proj.weight": (E, Q),
+                   p + "mlp.gate_proj.weight": (M, E), p + "mlp.up_proj.weight": (M, E),
+                   p + "mlp.down_proj.weight": (E, M)}
+        if cfg.attention_bias:
+            shapes |= {a + "q_proj.bias": (Q,), a + "k_proj.bias": (KV,), a + "v_proj.bias": (KV,)}
+        if cfg.qk_norm:
+            shapes |= {a + "q_norm.weight": (D,), a + "k_norm.weight": (D,)}
+    return shapes
+
+
+def check_shapes(path: str, have: dict[str, list[int]], want: dict[str, tuple[int, ...]]) -> None:
+    """Raise a ValueError, saying what to fix, unless every tensor in `want` is in `have` (a
+    checkpoint's names and shapes) with that shape: config.json and the weights must describe
+    the same model."""
+    for name, shape in want.items():
+        if name not in have:
+            raise ValueError(f"{path!r} has no tensor {name} that its config.json calls for: "
+                             f"the config and the weights differ")
+        if tuple(have[name]) != tuple(shape):
+            raise ValueError(f"{path!r}: tensor {name} has shape {list(have[name])} where its "
+                             f"config.json makes it {list(shape)}: the config and the weights "
+                             f"differ")
+
+
+def weight_files(path: str) -> list[str]:
+    """The model's *.safetensors files; an error saying what to do where there are none."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
+            raise ValueError(f"{path!r} holds only pickle checkpoints (*.bin/*.pt), which "
+                             f"are not loaded for safety; convert them to *.safetensors")
+        raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
+    return files
+
+
+def unreadable(file: str, why) -> ValueError:
+    return ValueError(f"{file} is not a readable safetensors file ({why}): download or convert "
+                      f"the weights again")
+
+
+def check_model_files(path: str) -> None:
+    """What loading the model at `path` would refuse, from its config.json and the headers of
+    its safetensors files alone (no torch, no weights read): a job is refused when it is
+    submitted, not on a worker. The config, the tokenizer files' presence aside, and every
+    tensor's shape and the bytes its file must hold."""
+    cfg = read_config(path)
+    have: dict[str, list[int]] = {}
+    for f in weight_files(path):
+        try:
+            header = safetensors_header(f)
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+        except Exception as e:   # noqa: BLE001 - malformed JSON or entries
+            raise unreadable(f, e) from e
+        size = os.path.getsize(f)
+        if size < 8 + _header_size(f) + end:
+            raise unreadable(f, f"{size} bytes where its header needs "
+                                f"{8 + _header_size(f) + end}: truncated")
+        have |= {k: v["shape"] for k, v in tensors.items()}
+    check_shapes(path, have, weight_shapes(cfg, have))
+
+
+def _header_size(file: str) -> int:
+    with open(file, "rb") as f:
+        return int.from_bytes(f.read(8), "little")
+
+
 class Checkpoint:
     """The tensors of a model directory's *.safetensors files, read on demand: whole, or a
     range along one dimension, so that a tensor-parallel rank reads only its shard."""
@@ -115,37 +195,22 @@ class Checkpoint:
     def __init__(self, path: str):
         from safetensors import safe_open
         self.path = path
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
-                raise ValueError(f"{path!r} holds only pickle checkpoints (*.bin/*.pt), which "
-                                 f"are not loaded for safety; convert them to *.safetensors")
-            raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
         self._files = []
-        for f in files:
+        for f in weight_files(path):
             try:
                 self._files.append(safe_open(f, "pt"))
             except OSError:
                 raise
             except Exception as e:   # a truncated or corrupt file: SafetensorError
-                raise ValueError(f"{f} is not a readable safetensors file ({e}): download or "
-                                 f"convert the weights again") from e
+                raise unreadable(f, e) from e
         self._where = {name: st for st in self._files for name in st.keys()}
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
     def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Raise a ValueError, saying what to fix, unless every tensor named in `shapes` is
-        here with that shape (config.json and the weights must describe the same model)."""
-        for name, shape in shapes.items():
-            if name not in self._where:
-                raise ValueError(f"{self.path!r} has no tensor {name} that its config.json "
-                                 f"calls for: the config and the weights differ")
-            if tuple(self.shape(name)) != tuple(shape):
-                raise ValueError(f"{self.path!r}: tensor {name} has shape {self.shape(name)} "
-                                 f"where its config.json makes it {list(shape)}: the config "
-                                 f"and the weights differ")
+        """check_shapes over this checkpoint's tensors."""
+        check_shapes(self.path, {n: self.shape(n) for n in shapes if n in self._where}, shapes)
 
     def shape(self, name: str) -> list[int]:
         return list(self._where[name].get_slice(name).get_shape())
