@@ -162,10 +162,10 @@ def unreadable(file: str, why) -> ValueError:
 
 
 def check_model_files(path: str) -> None:
-    """What loading the model at `path` would refuse, from its config.json and the headers of
-    its safetensors files alone (no torch, no weights read): a job is refused when it is
-    submitted, not on a worker. The config, the tokenizer files' presence aside, and every
-    tensor's shape and the bytes its file must hold."""
+    """Raise what loading the model at `path` would: from its config.json and the headers of
+    its safetensors files alone (no torch, no weights read), so that a job is refused when it
+    is submitted, not on a worker. Checks the config, every tensor's shape against it, and that
+    each file holds the bytes its header promises."""
     cfg = read_config(path)
     have: dict[str, list[int]] = {}
     for f in weight_files(path):
@@ -175,10 +175,9 @@ def check_model_files(path: str) -> None:
             end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
         except Exception as e:   # noqa: BLE001 - malformed JSON or entries
             raise unreadable(f, e) from e
-        size = os.path.getsize(f)
-        if size < 8 + _header_size(f) + end:
-            raise unreadable(f, f"{size} bytes where its header needs "
-                                f"{8 + _header_size(f) + end}: truncated")
+        size, needed = os.path.getsize(f), 8 + _header_size(f) + end
+        if size < needed:
+            raise unreadable(f, f"{size} bytes where its header needs {needed}: truncated")
         have |= {k: v["shape"] for k, v in tensors.items()}
     check_shapes(path, have, weight_shapes(cfg, have))
 
