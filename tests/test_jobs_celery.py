@@ -177,11 +177,12 @@ def test_shard_that_raises_is_retried_then_failed(worker, redis_server, store, t
 
 
 def check_broken_model_fails_after_retries(url, store, tiny_llama, tmp_path):
-    """A job whose model cannot load (a corrupt weights file) on the workers of `url`:
-    its shard is retried, then failed, its rows in the errors file."""
+    """A job whose model cannot load on the workers of `url` (a malformed tokenizer.json:
+    submit checks the config and the weights' headers, not the tokenizer): its shard is
+    retried, then failed, its rows in the errors file."""
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_llama, broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    (broken / "tokenizer.json").write_bytes(b'{"version": "1.0", "model": ')
     path = write_rows(tmp_path / "e.parquet", ["a", "b"], [3, 3])
     r = batchspec(url, "submit", path, "-o", tmp_path / "out", "--model", broken,
                   "--max-attempts", 2, "--wait")
