@@ -262,7 +262,8 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
             (tmp_path / "empty", "has no config.json: give a Hugging Face model directory"),
             (weights, "model.safetensors is not a readable safetensors file"),
             (cut, "model.safetensors is not a readable safetensors file"),
-            (tokenizer, f"cannot load the tokenizer of {str(tokenizer)!r}"),
+            (tokenizer, f"cannot load the tokenizer of {str(tokenizer)!r} "
+                        f"({tokenizer / 'tokenizer_config.json'} is not valid JSON"),
             (config, f"{config / 'config.json'} is not valid JSON"),
             (layers, f"has no tensor model.layers.{last}.input_layernorm.weight that its "
                      f"config.json calls for"),

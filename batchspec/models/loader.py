@@ -156,7 +156,7 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
-def unreadable(file: str, why) -> ValueError:
+def _unreadable(file: str, why) -> ValueError:
     return ValueError(f"{file} is not a readable safetensors file ({why}): download or convert "
                       f"the weights again")
 
@@ -170,21 +170,16 @@ def check_model_files(path: str) -> None:
     have: dict[str, list[int]] = {}
     for f in weight_files(path):
         try:
-            header = safetensors_header(f)
+            header_size, header = safetensors_header(f)
             tensors = {k: v for k, v in header.items() if k != "__metadata__"}
             end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
         except Exception as e:   # noqa: BLE001 - malformed JSON or entries
-            raise unreadable(f, e) from e
-        size, needed = os.path.getsize(f), 8 + _header_size(f) + end
+            raise _unreadable(f, e) from e
+        size, needed = os.path.getsize(f), 8 + header_size + end
         if size < needed:
-            raise unreadable(f, f"{size} bytes where its header needs {needed}: truncated")
+            raise _unreadable(f, f"{size} bytes where its header needs {needed}: truncated")
         have |= {k: v["shape"] for k, v in tensors.items()}
     check_shapes(path, have, weight_shapes(cfg, have))
-
-
-def _header_size(file: str) -> int:
-    with open(file, "rb") as f:
-        return int.from_bytes(f.read(8), "little")
 
 
 class Checkpoint:
@@ -201,7 +196,7 @@ class Checkpoint:
             except OSError:
                 raise
             except Exception as e:   # a truncated or corrupt file: SafetensorError
-                raise unreadable(f, e) from e
+                raise _unreadable(f, e) from e
         self._where = {name: st for st in self._files for name in st.keys()}
 
     def __contains__(self, name: str) -> bool:
@@ -255,24 +250,21 @@ def load_tokenizer(path: str):
 
 def _tokenizer_class(path: str) -> str | None:
     """tokenizer_config.json's class, None without the file (a malformed one raises)."""
-    try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            return json.load(f).get("tokenizer_class")
-    except FileNotFoundError:
-        return None
+    file = os.path.join(path, "tokenizer_config.json")
+    return _read_json(file).get("tokenizer_class") if os.path.isfile(file) else None
 
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
-def safetensors_header(file: str) -> dict:
-    """A .safetensors file's header: each tensor's dtype, shape and offsets, read without
-    torch (a little-endian u64 length, then that many bytes of JSON)."""
+def safetensors_header(file: str) -> tuple[int, dict]:
+    """A .safetensors file's header, read without torch: its length in bytes (a little-endian
+    u64 first in the file) and its JSON, each tensor's dtype, shape and data offsets."""
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         if not 2 <= size <= 100 * 2 ** 20:
             raise ValueError(f"{file}: not a safetensors file (header of {size} bytes)")
-        return json.loads(f.read(size))
+        return size, json.loads(f.read(size))
 
 
 def stored_dtype(path: str) -> str | None:
@@ -280,7 +272,7 @@ def stored_dtype(path: str) -> str | None:
     tensor's in the safetensors headers, else config.json's `torch_dtype` (or `dtype`)."""
     for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         try:
-            header = safetensors_header(f)
+            _, header = safetensors_header(f)
             for k in sorted(header):
                 if k != "__metadata__" and (dt := SAFETENSORS_DTYPES.get(header[k]["dtype"])):
                     return dt
