@@ -245,6 +245,8 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
             (cut / name).write_bytes(data[:-1000])
     tokenizer = model("tokenizer")
     (tokenizer / "tokenizer_config.json").write_bytes(b'{"tokenizer_class": ')
+    tokenizer_json = model("tokenizer_json")      # read by the tokenizers library alone
+    (tokenizer_json / "tokenizer.json").write_bytes(b'{"version": "1.0", "model": ')
     config = model("config")
     (config / "config.json").write_bytes(b'{"architectures": ["LlamaForCausalLM"],')
     with open(os.path.join(tiny_llama, "config.json")) as f:
@@ -262,8 +264,8 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
             (tmp_path / "empty", "has no config.json: give a Hugging Face model directory"),
             (weights, "model.safetensors is not a readable safetensors file"),
             (cut, "model.safetensors is not a readable safetensors file"),
-            (tokenizer, f"cannot load the tokenizer of {str(tokenizer)!r} "
-                        f"({tokenizer / 'tokenizer_config.json'} is not valid JSON"),
+            (tokenizer, f"{tokenizer / 'tokenizer_config.json'} is not valid JSON"),
+            (tokenizer_json, f"cannot load the tokenizer of {str(tokenizer_json)!r}"),
             (config, f"{config / 'config.json'} is not valid JSON"),
             (layers, f"has no tensor model.layers.{last}.input_layernorm.weight that its "
                      f"config.json calls for"),
@@ -274,8 +276,10 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
         assert len(result.output.strip().splitlines()) == 1
         assert not (tmp_path / f"out-{model.name}" / "_SUCCESS").exists()
         # what `submit` checks, without torch or reading weights: the same error there
-        if model is not tokenizer:
-            with pytest.raises((ValueError, FileNotFoundError), match=re.escape(says)):
-                EngineConfig(model=str(model), device="cpu")
-            with pytest.raises((ValueError, FileNotFoundError), match=re.escape(says)):
-                EngineConfig(model=tiny_llama, drafts={"code": str(model)}, device="cpu")
+        if model is tokenizer_json:   # submit parses tokenizer_config.json, not the tokenizer
+            EngineConfig(model=str(model), device="cpu")
+            continue
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(says)):
+            EngineConfig(model=str(model), device="cpu")
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(says)):
+            EngineConfig(model=tiny_llama, drafts={"code": str(model)}, device="cpu")
