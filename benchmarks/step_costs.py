@@ -7,7 +7,11 @@ The last line is the most any draft source could make over plain decoding at eac
 if every draft were accepted and drafting cost nothing: a pass of q tokens makes q tokens in
 t(q) where plain decoding makes one in t(1), so the best over q of q * t(1) / t(q).
 
-    python benchmarks/step_costs.py [--batch-size 64] [--k 4]
+With --context N the forwards are timed again at N tokens of context (the engine times them
+at 128): a longer context makes a decode step's attention, which reads the whole cache, a
+larger part of its time, and a window's extra tokens add to its products only.
+
+    python benchmarks/step_costs.py [--batch-size 64] [--k 4] [--context 512]
 """
 from __future__ import annotations
 
@@ -27,13 +31,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=64, help="the engine's max rows")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=None,
+                    help="tokens of context to time the forwards at (default: the engine's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     models = demo_models()
     dtype = default_dtype(models["target"], "cpu")
     llm = make_llm("spec-adaptive", models, args.batch_size, args.k, 0, 0.0, 1, dtype)
     costs = llm.engine.policy.costs
-    print(f"demo target, {dtype}, one thread; ms per forward")
+    context = "128"
+    if args.context is not None:
+        costs = llm.engine.measure_step_costs(ctx_len=args.context)
+        context = str(min(args.context, llm.engine.max_model_len - args.k - 1))
+    print(f"demo target, {dtype}, one thread, {context} tokens of context; ms per forward")
     print("rows      " + "".join(f"{b:>8}" for b in costs.batch_sizes))
     for q, values in sorted(costs.target.items()):
         print(f"target q={q}" + "".join(f"{v * 1e3:8.2f}" for v in values))
