@@ -281,6 +281,28 @@ def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):
     assert 0.3 < results[0]["acceptance_rate"] < 1.0
 
 
+def test_a_prompt_pools_first_rows_hold_every_domain(tmp_path):
+    """`batchspec bench` gives a cell of batch size b the first max(num_prompts, min_batches
+    x b) prompts of one pool: from the demo corpus, as from a Parquet file, those first rows
+    hold an even share of each domain (the corpus's prompts came domain after domain, and
+    the cells up to 32 rows of a bench up to 64 ran code prompts alone)."""
+    import polars as pl
+
+    from batchspec.demo.corpus import corpus_prompts
+    from batchspec.tools.evaluate import load_prompts
+    pool = load_prompts(None, None, 512, split="heldout")
+    for n in (1, 2, 64, 256, 512):
+        codes = sum(p["domain"] == "code" for p in pool[:n])
+        assert codes == -(-n // 2), n
+    assert sorted(p["prompt"] for p in pool) == sorted(     # the same prompts, in turns
+        p["prompt"] for p in corpus_prompts("heldout", num_per_domain=256, seed=0))
+    path = tmp_path / "p.parquet"
+    pl.DataFrame({"prompt": [f"c{i}" for i in range(6)] + [f"d{i}" for i in range(6)],
+                  "domain": ["code"] * 6 + ["docs"] * 6}).write_parquet(path)
+    assert [p["prompt"] for p in load_prompts(str(path), None, 4, split="heldout")] == \
+        ["c0", "d0", "c1", "d1"]
+
+
 def test_bench_on_a_target_without_drafts(tiny_llama, prompts_parquet, tmp_path):
     from batchspec.tools.bench import bench
     out = tmp_path / "bench.json"
