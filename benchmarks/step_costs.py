@@ -8,7 +8,7 @@ if every draft were accepted and drafting cost nothing: a pass of q tokens makes
 t(q) where plain decoding makes one in t(1), so the best over q of q * t(1) / t(q).
 
 With --context N the forwards are timed again at N tokens of context (the engine times them
-at 128): a longer context makes a decode step's attention, which reads the whole cache, a
+at STEP_COST_CONTEXT, 128): a longer context makes a decode step's attention, which reads the whole cache, a
 larger part of its time, and a window's extra tokens add to its products only.
 
     python benchmarks/step_costs.py [--batch-size 64] [--k 4] [--context 512]
@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec.config import default_dtype  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
+from batchspec.engine.engine import STEP_COST_CONTEXT  # noqa: E402
 from batchspec.tools.bench import make_llm  # noqa: E402
 
 
@@ -38,11 +39,11 @@ def main():
     models = demo_models()
     dtype = default_dtype(models["target"], "cpu")
     llm = make_llm("spec-adaptive", models, args.batch_size, args.k, 0, 0.0, 1, dtype)
-    costs = llm.engine.policy.costs
-    context = "128"
+    costs, context = llm.engine.policy.costs, STEP_COST_CONTEXT
     if args.context is not None:
         costs = llm.engine.measure_step_costs(ctx_len=args.context)
-        context = str(min(args.context, llm.engine.max_model_len - args.k - 1))
+        context = args.context
+    context = max(1, min(context, llm.engine.max_model_len - args.k - 1))  # as it clamps
     print(f"demo target, {dtype}, one thread, {context} tokens of context; ms per forward")
     print("rows      " + "".join(f"{b:>8}" for b in costs.batch_sizes))
     for q, values in sorted(costs.target.items()):

@@ -24,6 +24,8 @@ from batchspec.spec.verify import VerifyMetadata, resolve_backend, verify
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 1.0
+# tokens of context the start-up step costs are timed at (measure_step_costs)
+STEP_COST_CONTEXT = 128
 SMALL_MODEL_PARAMS = 50_000_000
 
 
@@ -126,7 +128,7 @@ class Engine:
             SuffixProposer(c.suffix_max_tokens, c.suffix_min_prob)
         self.source_label[name] = kind
 
-    def measure_step_costs(self, ctx_len: int = 128, repeats: int = 3,
+    def measure_step_costs(self, ctx_len: int = STEP_COST_CONTEXT, repeats: int = 3,
                            max_batch: int = 64) -> StepCosts:
         """Time the target over B rows of q tokens (q = 1, k + 1 and one between; a line in q
         gives the rest: StepCosts.smooth) and each draft over B rows of one
