@@ -378,6 +378,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
     all_ids, all_domains = prompt_ids, domains
     for b in batch_sizes:
         # the first prompts of one pool: a larger batch's cell runs a superset of a smaller's
+        # (load_prompts gives the domains in turns: each cell holds an even share of each)
         prompt_ids, domains = all_ids[:cell_size(b)], all_domains[:cell_size(b)]
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
         llms = runs = {}    # (the last cell's engines, held by both, go before this cell's load)
