@@ -184,7 +184,10 @@ class EngineConfig:
                 f"model {self.model!r} is not a directory: give a Hugging Face model "
                 f"directory with config.json and *.safetensors")
         from batchspec.models.loader import check_model_files  # (no torch)
-        for path in {self.model, *(draft_sources(v)[0] for v in self.drafts.values())}:
+        # the target first, then each draft once (a set's order would make the error of a
+        # job with two broken models vary from run to run)
+        for path in dict.fromkeys([self.model,
+                                   *(draft_sources(v)[0] for v in self.drafts.values())]):
             if path not in LOOKUP_SOURCES:
                 check_model_files(path)
         if self.num_speculative_tokens < 0:

@@ -274,7 +274,7 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
         assert result.exit_code == 1, result.output
         assert says in result.output and "Traceback" not in result.output
         assert len(result.output.strip().splitlines()) == 1
-        assert not (tmp_path / f"out-{model.name}" / "_SUCCESS").exists()
+        assert not (tmp_path / f"out-{model.name}").exists()     # nothing written
         # what `submit` checks, without torch or reading weights: the same error there
         if model is tokenizer_json:   # submit parses tokenizer_config.json, not the tokenizer
             EngineConfig(model=str(model), device="cpu")
@@ -283,3 +283,8 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
             EngineConfig(model=str(model), device="cpu")
         with pytest.raises((ValueError, FileNotFoundError), match=re.escape(says)):
             EngineConfig(model=tiny_llama, drafts={"code": str(model)}, device="cpu")
+    # a broken target and a broken draft: the target's error, every time
+    for _ in range(3):
+        with pytest.raises(ValueError, match=re.escape(f"{config / 'config.json'} is not valid")):
+            EngineConfig(model=str(config), drafts={"code": str(layers), "docs": str(hidden)},
+                         device="cpu")
