@@ -153,6 +153,44 @@ def test_overwrite_runs_a_completed_job_again(tmp_path, tiny_llama):
     assert doc["job_id"] != first and doc["shards_run"] == ["00000"]
 
 
+def test_overwrite_starts_another_job_over_and_a_bad_model_clears_nothing(tmp_path, tiny_llama):
+    """A directory holding another job (other inputs, other max_tokens) is refused with a
+    line that names --overwrite, and --overwrite then runs the new job there (it used to
+    be refused the same way); a run with --overwrite whose model fails to load leaves the
+    old job's files whole; the OpenAI files of the old job go with it."""
+    one, two = tmp_path / "one.parquet", tmp_path / "two.parquet"
+    pq.write_table(pa.table({"prompt": ["a b", "c d"]}), one)
+    pq.write_table(pa.table({"prompt": ["e f"]}), two)
+    out = tmp_path / "out"
+    assert run_job(one, out, tiny_llama, "--output-format", "openai").exit_code == 0
+    assert (out / "openai" / "output.jsonl").exists()
+    refused = run_job(two, out, tiny_llama)
+    assert refused.exit_code == 1 and "--overwrite" in refused.stderr
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    bad = run_job(two, out, str(tmp_path / "no-model"), "--overwrite")
+    assert bad.exit_code == 1 and "Traceback" not in bad.output
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    redo = run_job(two, out, tiny_llama, "--overwrite")
+    assert redo.exit_code == 0, redo.output
+    assert read_dir(out, "outputs").num_rows == 1 and not (out / "openai").exists()
+    other = run_job(two, out, tiny_llama, "--max-tokens", 3, "--overwrite")
+    assert other.exit_code == 0, other.output
+    assert json.loads((out / "_job.json").read_text())["spec"]["max_tokens"] == 3
+
+
+def test_a_completed_job_run_again_for_openai_files_writes_them(tmp_path, tiny_llama):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a b", "c d"]}), src)
+    out = tmp_path / "out"
+    assert run_job(src, out, tiny_llama).exit_code == 0
+    again = run_job(src, out, tiny_llama, "--output-format", "openai")
+    assert again.exit_code == 0, again.output
+    lines = (out / "openai" / "output.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    doc = json.loads((out / "_job.json").read_text())
+    assert doc["shards_run"] == [] and doc["openai_files"]
+
+
 def _mount_tmpfs(path, options: str) -> bool:
     os.makedirs(path, exist_ok=True)
     return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],

@@ -192,9 +192,9 @@ def _already_complete(doc: dict) -> None:
 
 overwrite_option = click.option(
     "--overwrite", is_flag=True,
-    help="Delete the output directory's job files (outputs/, acceptance/, errors/, _job.json, "
-         "_plan.json, _SUCCESS) and run the job again. Without it, a completed job is "
-         "reported, an interrupted one resumed.")
+    help="Delete the output directory's job files (outputs/, acceptance/, errors/, openai/, "
+         "_job.json, _plan.json, _SUCCESS) and run the job again, whatever job they held. "
+         "Without it, a completed job is reported, an interrupted one resumed.")
 
 
 metrics_option = click.option(
@@ -287,8 +287,8 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
     from batchspec.jobs.tasks import submit_job
     spec = build_spec(config, **options)
     shards = plan_job(spec)
-    done = check_output(spec.to_dict(), shards)
-    if done is not None and not overwrite:
+    done = check_output(spec.to_dict(), shards, overwrite=overwrite)
+    if done is not None:
         _already_complete(done)
         return
     if overwrite:

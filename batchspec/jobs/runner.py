@@ -317,17 +317,17 @@ def run_local(spec: JobSpec, progress: bool = True, llm=None, overwrite: bool = 
     shard's tail. A shard's files are written the moment its last request finishes; a shard
     that cannot be read or written ends failed and the others go on."""
     shards = plan_job(spec)
-    done = check_output(spec.to_dict(), shards)
-    if done is not None and not overwrite:
+    done = check_output(spec.to_dict(), shards, overwrite=overwrite)
+    if done is not None:
         return done | {"already_complete": True}
-    if overwrite:
-        clear_output(spec.output)
     job_id = spec.job_id or new_job_id(spec.name)
-    todo = [s for s in shards if not is_done(spec, s)]
+    todo = shards if overwrite else [s for s in shards if not is_done(spec, s)]
     if todo and llm is None:
         from batchspec.llm import LLM, freeze_heap
         llm = LLM.from_config(spec.engine_config())
         freeze_heap()
+    if overwrite:      # (once the models have loaded: a bad model leaves the old job whole)
+        clear_output(spec.output)
     claim_output(spec.to_dict(), shards)
     timings = {"started_at": utcnow()}
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import json
 import pyarrow.parquet as pq
 
 from batchspec.contract import add_totals, summarize, totals
-from batchspec.jobs.openai_batch import write_openai_files
+from batchspec.jobs.openai_batch import output_paths, write_openai_files
 from batchspec.jobs.outputs import KINDS, output_fs, shard_counts, shard_path, write_atomic
 from batchspec.jobs.shards import Shard
 from batchspec.jobs.states import SUCCESS
@@ -99,12 +99,14 @@ def _read_json(fs, path: str) -> dict | None:
         return json.load(f)
 
 
-def check_output(spec_dict: dict, shards: list[Shard]) -> dict | None:
+def check_output(spec_dict: dict, shards: list[Shard], overwrite: bool = False) -> dict | None:
     """Read-only checks of the output directory before anything is written: it must not be
     a file (or under one), nor hold another job (resuming it would mix two jobs' outputs
-    under the same shard ids). Returns the `_job.json` document when the directory already
+    under the same shard ids), unless `overwrite` (its job's files will be cleared: any job
+    may start over there). Returns the `_job.json` document when the directory already
     holds this job, completed, every shard with its outputs (a job with failed shards runs
-    them again); else None."""
+    them again) and, for output_format openai, its OpenAI Batch files; else None (always
+    with `overwrite`)."""
     out = spec_dict["output"]
     fs, root = output_fs(out)
     parts = root.split("/")
@@ -114,7 +116,7 @@ def check_output(spec_dict: dict, shards: list[Shard]) -> dict | None:
             if not fs.isdir(p):
                 raise ValueError(f"output {out!r} cannot be a directory: {p!r} is a file")
             break
-    old = _read_json(fs, f"{root}/_plan.json")
+    old = None if overwrite else _read_json(fs, f"{root}/_plan.json")
     if old is None:
         return None
     plan = _plan(spec_dict, shards)
@@ -126,7 +128,9 @@ def check_output(spec_dict: dict, shards: list[Shard]) -> dict | None:
                          f"to start over in this one")
     doc = _read_json(fs, f"{root}/_job.json")
     if doc is not None and doc.get("state") in SUCCESS and fs.exists(f"{root}/_SUCCESS") \
-            and all(fs.exists(shard_path(root, "outputs", s)) for s in shards):
+            and all(fs.exists(shard_path(root, "outputs", s)) for s in shards) and \
+            (spec_dict.get("output_format") != "openai" or
+             all(fs.exists(p) for p in output_paths(root).values())):
         return doc
     return None
 
@@ -146,7 +150,7 @@ def claim_output(spec_dict: dict, shards: list[Shard]) -> None:
 def clear_output(output: str) -> None:
     """Remove a job's files from an output directory (--overwrite); other files stay."""
     fs, root = output_fs(output)
-    for kind in KINDS:
+    for kind in (*KINDS, "openai"):
         if fs.exists(f"{root}/{kind}"):
             fs.rm(f"{root}/{kind}", recursive=True)
     for name in ("_SUCCESS", "_job.json", "_plan.json"):
