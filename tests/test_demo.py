@@ -166,6 +166,8 @@ def test_bench_runs_every_method_side_by_side(tiny_llama, tiny_draft, prompts_pa
     for r in rows:
         assert r["tok_s"] > 0 and r["tokens"] > 0
         assert r["num_prompts"] == 2 * r["batch_size"]   # two full batches a cell
+        # each row says its cell's prompts by domain: the file's domains take turns
+        assert r["domains"] == {"code": r["batch_size"], "docs": r["batch_size"]}
     spec = [r for r in rows if r["method"] == "spec-domain" and r["temperature"] == 0.0]
     assert all(0 < r["alpha"] < 1 and "observed_over_theoretical" in r for r in spec)
     # rows of model drafts carry their cost ratio (the code draft is the target: c = 1)

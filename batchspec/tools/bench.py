@@ -33,6 +33,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 from functools import partial
 
 import click
@@ -380,6 +381,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
         # the first prompts of one pool: a larger batch's cell runs a superset of a smaller's
         # (load_prompts gives the domains in turns: each cell holds an even share of each)
         prompt_ids, domains = all_ids[:cell_size(b)], all_domains[:cell_size(b)]
+        cell_domains = dict(sorted(Counter(domains).items()))   # (in each row of --json)
         cell_methods = [m for m in methods if m != "hf-assisted" or b == 1]
         llms = runs = {}    # (the last cell's engines, held by both, go before this cell's load)
         llms = {m: make_llm(m, models, b, k, seed, threshold, torch.get_num_threads(), dtype)
@@ -419,7 +421,7 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
             for method, res in results.items():
                 best = min(res, key=lambda r: r["wall_s"])
                 row = {"method": method, "batch_size": b, "temperature": t,
-                       "num_prompts": len(prompt_ids), **best,
+                       "num_prompts": len(prompt_ids), "domains": cell_domains, **best,
                        "runs_tok_s": [round(r["tokens"] / r["wall_s"], 1) for r in res]}
                 if method.startswith("spec"):
                     row["draft_vocab"] = draft_vocab_for(t)
