@@ -145,6 +145,27 @@ def test_unknown_yaml_setting(tmp_path, tiny_llama):
     assert result.exit_code == 1 and "max_tokenz" in result.stderr
 
 
+@pytest.mark.parametrize("line,message", [
+    ('max_tokens: "three"', "max_tokens must be an integer, got 'three'"),
+    ("max_tokens: true", "max_tokens must be an integer, got True"),
+    ("temperature: [1]", "temperature must be a number, got [1]"),
+    ("temperature: null", "temperature must be a number, got None"),
+    ('seed: "x"', "seed must be an integer, got 'x'"),
+    ('top_k: "x"', "top_k must be an integer"),
+    ("chat: 1", "chat must be true or false, got 1"),
+    ("template: 3", "template must be text (or null), got 3"),
+])
+def test_a_yaml_setting_of_the_wrong_type_is_one_line(tmp_path, tiny_llama, line, message):
+    """A job YAML can hold any type where a setting wants a number, a flag or text: one
+    line naming the setting (it used to be a traceback from deep in the sampling checks, or
+    a seed of "x" written to _job.json)."""
+    (tmp_path / "job.yaml").write_text(f"model: {tiny_llama}\n{line}\n")
+    result = run_cli("run", "in.parquet", "-o", tmp_path / "out", "--config",
+                     tmp_path / "job.yaml")
+    assert result.exit_code == 1 and message in result.stderr, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

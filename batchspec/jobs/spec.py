@@ -25,6 +25,16 @@ SCHEDULE_KEYS = ("schedule", "timezone")
 OUTPUT_FORMATS = ("parquet", "openai")
 
 
+_SCALAR_CHECKS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+}
+_SCALAR_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false",
+                 "str": "text"}
+
+
 @dataclass
 class JobSpec:
     inputs: list[str]
@@ -63,6 +73,7 @@ class JobSpec:
     job_id: str | None = None
 
     def __post_init__(self):
+        self._check_types()
         if isinstance(self.inputs, str):
             self.inputs = [self.inputs]
         self.inputs = [str(p) for p in self.inputs or []]
@@ -101,6 +112,23 @@ class JobSpec:
         if ranks < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {ranks}")
         self.engine_config(device=",".join(["cpu"] * ranks))
+
+    def _check_types(self):
+        """Each scalar setting has its declared type (a job YAML may hold anything): an int
+        where an int is declared (not a bool), a number where a float is, true/false where a
+        bool is, text where a str is; null only where the setting may be unset."""
+        for f in dataclasses.fields(self):
+            kinds = [k.strip() for k in f.type.split("|")]
+            value = getattr(self, f.name)
+            if value is None and "None" in kinds:
+                continue
+            wanted = [k for k in kinds if k != "None"]
+            if not all(k in _SCALAR_CHECKS for k in wanted):      # lists and mappings
+                continue
+            if not any(_SCALAR_CHECKS[k](value) for k in wanted):
+                what = " or ".join(_SCALAR_NAMES[k] for k in wanted)
+                unset = " (or null)" if "None" in kinds else ""
+                raise ValueError(f"{f.name} must be {what}{unset}, got {value!r}")
 
     def _use_demo_models(self):
         try:
