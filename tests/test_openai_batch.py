@@ -134,11 +134,54 @@ def test_submit_openai_batch_file(requests_file, job_args, parquet_job, start_wo
      "invalid_override"),
     ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "stop": 3}}',
      "invalid_override"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", '
+     '"max_tokens": 18446744073709551616}}', "invalid_override"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "seed": 1e30}}',
+     "invalid_override"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x \\ud800"}}',
+     "invalid_json"),
+    ('{"custom_id": "\\udfff", "url": "/v1/completions", "body": {"prompt": "x"}}',
+     "invalid_json"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "metadata": "c"}}',
+     "invalid_request"),
+    (b'{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x \xff"}}',
+     "invalid_json"),
 ])
 def test_malformed_lines_name_their_reason(line, error_type):
     row = parse_row(12, line, "requests")
     assert row["_error_type"] == error_type and row["_error"].startswith("line 12: ")
     assert row["_line"] == 12 and row["id"]
+
+
+def test_lines_that_break_a_row_fail_alone(tmp_path, tiny_llama):
+    """Lines whose values no row can hold (an integer past 64 bits, half a surrogate pair,
+    bytes that are not UTF-8) used to fail their whole shard (or stop the job) and leave
+    made-up ids in the error file; now each is an error line of its own and the rest run.
+    A byte-order mark opens the file. Lines sharing a custom_id after a bad first one: each
+    error at its own line, every line of both files with an id of its own."""
+    ok = lambda cid, **body: json.dumps({"custom_id": cid, "method": "POST",  # noqa: E731
+                                         "url": "/v1/completions",
+                                         "body": {"prompt": "hi there", **body}})
+    lines = [ok("a").encode(), ok("big", max_tokens=2**64).encode(),
+             ok("half", prompt="x \ud800").encode(),
+             ok("bytes").encode().replace(b"hi there", b"hi \xff"),
+             json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/embeddings",
+                         "body": {}}).encode(),
+             ok("x").encode(), ok("y").encode(), ok("y").encode()]
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["run", str(path), "-o", str(out), "-q", "--model", tiny_llama,
+                                 "--max-tokens", "3", "--output-format", "openai"])
+    assert r.exit_code == 0, r.output
+    answers = read_jsonl(out / "openai" / "output.jsonl")
+    errors = read_jsonl(out / "openai" / "errors.jsonl")
+    assert [a["custom_id"] for a in answers] == ["a", "y"]
+    assert [(e["custom_id"], e["error"]["line"], e["error"]["code"]) for e in errors] == [
+        ("big", 2, "invalid_override"), (None, 3, "invalid_json"), (None, 4, "invalid_json"),
+        ("x", 5, "unsupported_url"), ("x", 6, "duplicate_id"), ("y", 8, "duplicate_id")]
+    assert all(e["error"]["message"].startswith(f"line {e['error']['line']}: ") for e in errors)
+    assert len({line["id"] for line in answers + errors}) == len(answers) + len(errors)
 
 
 def test_line_fields_map_onto_row_overrides():

@@ -33,6 +33,7 @@ from batchspec.jobs.display import draft_name
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 SUFFIXES = (".jsonl",)
+BOM = b"\xef\xbb\xbf"     # what some editors write at the start of a UTF-8 file
 
 ROW_SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -65,9 +66,15 @@ class LineError(ValueError):
 
 def _lines(path: str, offset: int = 0, first_line: int = 1):
     """(line number, text) of the file's non-blank lines, from byte `offset` on (the start
-    of line number first_line)."""
-    for number, _, raw in _raw_lines(path, offset, first_line):
-        yield number, raw.decode("utf-8")
+    of line number first_line); a line that is not UTF-8 comes as its bytes (parse_line
+    makes it an error row), and a byte-order mark opening the file is dropped."""
+    for number, at, raw in _raw_lines(path, offset, first_line):
+        if at == 0 and raw.startswith(BOM):
+            raw = raw[len(BOM):]
+        try:
+            yield number, raw.decode("utf-8")
+        except UnicodeDecodeError:
+            yield number, raw
 
 
 def _raw_lines(path: str, offset: int = 0, first_line: int = 1):
@@ -101,9 +108,13 @@ def _number(body: dict, name: str, integer: bool):
     value = body[name]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise LineError("invalid_override", f"body.{name} must be a finite number, got {value!r}")
-    if integer and value != int(value):
+    if not integer:
+        return float(value)
+    if value != int(value):
         raise LineError("invalid_override", f"body.{name} must be an integer, got {value!r}")
-    return int(value) if integer else float(value)
+    if not -2**63 <= int(value) < 2**63:
+        raise LineError("invalid_override", f"body.{name} must fit in 64 bits, got {value!r}")
+    return int(value)
 
 
 def _content(message: dict, i: int) -> str:
@@ -149,12 +160,36 @@ def _stop(body: dict) -> list[str] | None:
     return stop
 
 
-def parse_line(text: str) -> dict:
+def _unicode(value) -> bool:
+    """Whether every string in a parsed line is valid Unicode: JSON's escapes can spell half
+    a surrogate pair ("\\ud800"), which no UTF-8 file can hold."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_unicode(k) and _unicode(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_unicode(v) for v in value)
+    return True
+
+
+def parse_line(text: str | bytes) -> dict:
     """One request line -> a row of ROW_SCHEMA (without _line); raises LineError."""
+    if isinstance(text, bytes):
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LineError("invalid_json", f"not UTF-8 text: {e}") from e
     try:
         line = json.loads(text)
     except json.JSONDecodeError as e:
         raise LineError("invalid_json", f"not valid JSON: {e}") from e
+    if not _unicode(line):
+        raise LineError("invalid_json", "a string in the line is not valid Unicode (an escape "
+                                        "of half a surrogate pair, such as \\ud800)")
     if not isinstance(line, dict):
         raise LineError("invalid_request", "a request line must be a JSON object")
     custom_id = line.get("custom_id")
@@ -184,7 +219,10 @@ def parse_line(text: str) -> dict:
                 row["max_tokens"] = _number(body, name, True)
                 break
         row["stop"] = _stop(body)
-        domain = (body.get("metadata") or {}).get("domain")
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise LineError("invalid_request", "body.metadata must be a JSON object")
+        domain = (metadata or {}).get("domain")
         if domain is not None and not isinstance(domain, str):
             raise LineError("invalid_domain", "body.metadata.domain must be a string")
         row["domain"] = domain
@@ -234,7 +272,7 @@ def request_index(path: str) -> dict[str, dict]:
             line = json.loads(text)
             custom_id = line.get("custom_id")
             body = line.get("body") if isinstance(line.get("body"), dict) else {}
-        except (json.JSONDecodeError, AttributeError):
+        except (ValueError, AttributeError):    # (not JSON, not UTF-8, not an object)
             continue
         if isinstance(custom_id, str) and custom_id not in index:
             index[custom_id] = {"line": number, "url": line.get("url"),
@@ -277,10 +315,15 @@ def response_line(out: dict, record: dict | None, request: dict, *, job_id: str,
             "error": None, "batchspec": extension}
 
 
-def error_line(err: dict, request: dict, *, job_id: str, source_line: int | None) -> dict:
-    """One line of the error file: the row that could not run, its reason and line."""
-    key = _hash_id(job_id, err["id"])
-    custom_id = err["id"] if request or source_line is None else None
+def error_line(err: dict, request: dict, *, job_id: str, source_line: int | None,
+               from_lines: bool = True) -> dict:
+    """One line of the error file: the row that could not run, its reason and line. Its
+    custom_id is the row's id when that is a line's custom_id (or a Parquet row's id:
+    from_lines False), else null (a line without a usable custom_id, a row of a shard
+    that could not be read). Its id is the job's, the row's and the line's: unique in the
+    file, and unlike the answer's of a row with the same custom_id."""
+    key = _hash_id(job_id, err["id"], "error", str(source_line))
+    custom_id = err["id"] if request or not from_lines else None
     return {"id": "batch_req_" + key, "custom_id": custom_id, "response": None,
             "error": {"code": err["error_type"], "message": err["message"],
                       "line": source_line}}
@@ -321,8 +364,9 @@ def write_openai_files(fs, root: str, shards, *, job_id: str, model: str) -> dic
                                              job_id=job_id, model=model_name, created=created))
         for err in _read(fs, shard_path(root, "errors", shard)):
             request = index.get(err["id"], {})
-            line = request.get("line") or _line_of(err)
-            errors.append(error_line(err, request, job_id=job_id, source_line=line))
+            line = _line_of(err) or request.get("line")   # (a duplicate's own line)
+            errors.append(error_line(err, request, job_id=job_id, source_line=line,
+                                     from_lines=is_openai_batch(shard.path)))
     paths = output_paths(root)
     for name, lines in (("output", answers), ("errors", errors)):
         write_atomic(fs, paths[name], "".join(json.dumps(x) + "\n" for x in lines).encode())

@@ -20,8 +20,9 @@ from batchspec.sampling import SamplingParams
 FLOAT_OVERRIDES = ("temperature", "top_p")
 INT_OVERRIDES = ("top_k", "max_tokens", "seed")
 OVERRIDES = FLOAT_OVERRIDES + INT_OVERRIDES
-# Set on the rows of request-file lines that cannot run (jobs/openai_batch.py).
-LINE_ERROR_COLUMNS = ("_error_type", "_error")
+# Columns of the rows of request files (jobs/openai_batch.py): a line's number, and why it
+# cannot run when it cannot.
+LINE_COLUMNS = ("_line", "_error_type", "_error")
 
 
 class RowError(Exception):
@@ -45,7 +46,7 @@ def template_fields(template: str) -> list[str]:
 
 def used_columns(names: list[str], template: str | None) -> list[str]:
     """The columns a row's request is made of; others are never read."""
-    wanted = {"id", "domain", "stop", *OVERRIDES, *LINE_ERROR_COLUMNS}
+    wanted = {"id", "domain", "stop", *OVERRIDES, *LINE_COLUMNS}
     wanted |= set(template_fields(template)) if template is not None else {"prompt", "messages"}
     return [n for n in dict.fromkeys(names) if n in wanted]
 
@@ -190,7 +191,8 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
                 raise RowError(row["_error_type"], row.get("_error") or "invalid request")
             if rid in seen or i in duplicates:
                 raise RowError("duplicate_id", f"id {rid!r} appears more than once in the job "
-                                               f"(the first row with it runs)")
+                                               f"(only the first row with it is run, or "
+                                               f"reported if it cannot run)")
             seen.add(rid)
             if i in unreadable:
                 raise RowError("unreadable_value", unreadable[i])
@@ -213,5 +215,8 @@ def prepare_requests(table: pa.Table, shard: Shard, *, sampling: dict,
             except RequestError as e:
                 raise RowError(e.kind, str(e)) from e
         except RowError as e:
-            errors.append({"id": rid, "error_type": e.error_type, "message": str(e)})
+            message = str(e)
+            if row.get("_line") is not None and not message.startswith("line "):
+                message = f"line {row['_line']}: {message}"      # (a request file's row)
+            errors.append({"id": rid, "error_type": e.error_type, "message": message})
     return requests, errors
