@@ -178,6 +178,30 @@ def test_overwrite_starts_another_job_over_and_a_bad_model_clears_nothing(tmp_pa
     assert json.loads((out / "_job.json").read_text())["spec"]["max_tokens"] == 3
 
 
+def test_damaged_job_files_are_named_in_one_line(tmp_path, tiny_llama):
+    """A job file damaged after the job wrote it (a _plan.json cut short, an outputs file
+    overwritten): one line that names the file and what to do, which works."""
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a b", "c d"]}), src)
+    out = tmp_path / "out"
+    assert run_job(src, out, tiny_llama).exit_code == 0
+    plan = (out / "_plan.json").read_bytes()
+    (out / "_plan.json").write_bytes(plan[:len(plan) // 2])
+    r = run_job(src, out, tiny_llama)
+    assert r.exit_code == 1 and f"{out / '_plan.json'} is damaged" in r.stderr
+    assert "--overwrite" in r.stderr and "Traceback" not in r.output
+    (out / "_plan.json").write_bytes(plan)
+    part = out / "outputs" / "part-00000.parquet"
+    part.write_bytes(part.read_bytes()[:64])
+    (out / "_SUCCESS").unlink()
+    r = run_job(src, out, tiny_llama)
+    assert r.exit_code == 1 and f"{part} is not a readable Parquet file" in r.stderr
+    assert "delete it" in r.stderr and "Traceback" not in r.output
+    part.unlink()
+    assert run_job(src, out, tiny_llama).exit_code == 0
+    assert read_dir(out, "outputs").num_rows == 2
+
+
 def test_a_completed_job_run_again_for_openai_files_writes_them(tmp_path, tiny_llama):
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a b", "c d"]}), src)

@@ -93,7 +93,11 @@ def shard_path(root: str, kind: str, shard: Shard) -> str:
 
 def _num_rows(fs, path: str) -> int:
     with fs.open(path, "rb") as f:
-        return pq.ParquetFile(f).metadata.num_rows
+        try:
+            return pq.ParquetFile(f).metadata.num_rows
+        except pa.ArrowException as e:      # (a file damaged after the job wrote it)
+            raise ValueError(f"{path} is not a readable Parquet file ({e}): delete it and run "
+                             f"the job again, which runs its shard again") from e
 
 
 def shard_counts(fs, root: str, shard: Shard) -> tuple[int, int]:

@@ -96,7 +96,11 @@ def _read_json(fs, path: str) -> dict | None:
     if not fs.exists(path):
         return None
     with fs.open(path, "rb") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except ValueError as e:         # (not JSON, not UTF-8)
+            raise ValueError(f"{path} is damaged ({e}): restore it, or pass --overwrite to "
+                             f"start the job over in this directory") from e
 
 
 def check_output(spec_dict: dict, shards: list[Shard], overwrite: bool = False) -> dict | None:
