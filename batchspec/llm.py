@@ -77,7 +77,9 @@ class LLM:
             if not prompt:
                 raise RequestError("empty_prompt", "empty prompt")
             self._need_tokenizer()
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            # (verbose=False: the tokenizer's warning about its model_max_length; the
+            # engine's own check of the prompt's length says what to do)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False))
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict)
                                                                  for m in prompt):
             self._need_tokenizer()
@@ -87,10 +89,11 @@ class LLM:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise RequestError("invalid_prompt",
                                    "the model's tokenizer has no chat template for messages")
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                     tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return list(ids)
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                      tokenize=False)
+            # (what tokenize=True does, without the warning: the template writes the
+            # special tokens itself)
+            return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not
                                                     isinstance(t, bool) for t in prompt):
             if not prompt:

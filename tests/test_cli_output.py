@@ -62,6 +62,41 @@ def test_a_job_ends_with_what_drafts_made_of_its_output():
         "852.7 tokens/s"
 
 
+def test_a_job_of_empty_inputs_points_at_no_outputs(tmp_path):
+    """Inputs with no rows (a nightly folder with nothing new): the job completes, and its
+    ending says so instead of pointing at outputs and a report that do not exist."""
+    from batchspec.cli import _register, cli
+    _register()
+    (tmp_path / "empty.jsonl").write_text("")
+    r = CliRunner().invoke(cli, ["run", str(tmp_path / "empty.jsonl"), "-o",
+                                 str(tmp_path / "out"), "-q"])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0] == "completed: the inputs hold no rows; nothing to run"
+    (tmp_path / "requests").mkdir()
+    (tmp_path / "requests" / "a.jsonl").write_text("")
+    r = CliRunner().invoke(cli, ["run", str(tmp_path / "requests"), "-o", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "/*.jsonl'" in r.stderr
+
+
+def test_a_prompt_too_long_is_an_error_row_without_the_tokenizers_warning(tmp_path):
+    """The tokenizer's own warning about its model_max_length ("... will result in indexing
+    errors") is not printed: the row goes to the errors file, which says what happened."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchspec.cli import _register, cli
+    _register()
+    pq.write_table(pa.table({"prompt": ["word " * 3000]}),
+                   tmp_path / "a.parquet")
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "word " * 3000}]]}),
+                   tmp_path / "b.parquet")
+    for name in ("a", "b"):
+        r = CliRunner().invoke(cli, ["run", str(tmp_path / f"{name}.parquet"), "-o",
+                                     str(tmp_path / name), "-q", "--max-tokens", "2"])
+        assert r.exit_code == 0 and "0/1 requests done, 1 failed" in r.stderr, r.output
+        assert "Token indices" not in r.output
+
+
 def test_report_says_how_many_tokens_came_from_drafts(tmp_path):
     """An engine that decoded plainly in most rounds (adaptive lengths where drafts do not
     pay) leaves an α over a few rounds: the report's head says what drafts made."""

@@ -25,7 +25,10 @@ def _where(output: str, openai_files: dict | None = None) -> str:
 def ending(state: str, *, completed: int, failed: int, total: int, shards_failed: int,
            shards_total: int, summary: dict | None, output: str,
            openai_files: dict | None = None) -> str:
-    """How `run` and `submit --wait` end: counts, α, where the outputs are."""
+    """How `run` and `submit --wait` end: counts, α, where the outputs are (a job whose
+    inputs hold no rows has none to point at)."""
+    if not total:
+        return f"{state}: the inputs hold no rows; nothing to run"
     summary = summary or {}
     lines = [f"{state}: {completed}/{total} requests done, {failed} failed"
              + (" (reasons in errors/)" if failed else "")

@@ -76,7 +76,9 @@ def expand_inputs(inputs: list[str]) -> list[str]:
         elif fs.isdir(path):
             found = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".parquet"))
             if not found:
-                raise FileNotFoundError(f"input directory {item!r} has no *.parquet files")
+                raise FileNotFoundError(
+                    f"input directory {item!r} has no *.parquet files (a folder gives its "
+                    f"Parquet files only: name request files, or glob them: '{item}/*.jsonl')")
         elif fs.exists(path):
             found = [path]
         else:
