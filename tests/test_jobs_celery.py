@@ -227,16 +227,21 @@ def test_cancel_stops_the_job(worker, redis_server, store, slow_model, tmp_path)
 @pytest.mark.slow
 def test_beat_schedule_submits_and_completes_a_job(worker, redis_server, store, inputs,
                                                    tiny_llama, tmp_path):
+    # The YAML's paths are relative: they resolve against beat's directory, not the
+    # worker's (which runs elsewhere; a firing failed there with "matches no files").
     (tmp_path / "jobs").mkdir()
+    (tmp_path / "data").mkdir()
+    shutil.copy(inputs[0], tmp_path / "data" / "in.parquet")
     (tmp_path / "jobs" / "quick.yaml").write_text(
-        f"name: beat-quick\nschedule: every 2s\ninputs: [{inputs[0]}]\n"
-        f"output: {tmp_path}/out/{{date}}/{{now:%H%M%S%f}}\nmodel: {tiny_llama}\n"
+        "name: beat-quick\nschedule: every 2s\ninputs: [data/in.parquet]\n"
+        f"output: out/{{date}}/{{now:%H%M%S%f}}\nmodel: {tiny_llama}\n"
         "max_tokens: 3\nshard_size: 10\n")
+    assert os.getcwd() != str(tmp_path)
     with open(tmp_path / "beat.log", "wb") as log:
         beat = subprocess.Popen(
-            [sys.executable, "-m", "batchspec.cli", "beat", "--jobs", tmp_path / "jobs",
+            [sys.executable, "-m", "batchspec.cli", "beat", "--jobs", "jobs",
              "--schedule-file", tmp_path / "beat-schedule", "--broker", redis_server],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
         try:
             job = wait_until(lambda: next((j for j in store.recent(20) if j["job_id"]
                                            .startswith("beat-quick") and j["state"] in TERMINAL),

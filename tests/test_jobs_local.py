@@ -205,6 +205,26 @@ def test_yaml_dates_fill_output_and_suffix_seed(tmp_path):
     assert values["output"] == "out/2026-02-28" and values["suffix_seed"] == "out/2026-02-27"
 
 
+def test_a_broken_job_yaml_stops_beat_with_one_line(tmp_path):
+    from batchspec.jobs.schedule import load_schedules
+    (tmp_path / "x.yaml").write_text('schedule: "every 1m\ninputs: [\n')
+    with pytest.raises(ValueError, match="x.yaml is not valid YAML"):
+        load_schedules(str(tmp_path))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "in.parquet"], "a job needs an output directory (-o/--output)"),
+    (["submit", "in.parquet"], "a job needs an output directory (-o/--output)"),
+    (["run", "-o", "out"], "a job needs at least one input"),
+])
+def test_a_job_without_inputs_or_output_is_one_line(args, message, redis_server):
+    """(a traceback from JobSpec's constructor, before)"""
+    result = CliRunner().invoke(cli, [*args, *(["--broker", redis_server]
+                                               if args[0] == "submit" else [])])
+    assert result.exit_code == 1 and message in result.stderr, result.output
+    assert "Traceback" not in result.output
+
+
 def test_schedules_parse():
     import datetime as dt
 

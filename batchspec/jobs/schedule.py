@@ -52,8 +52,11 @@ def load_schedules(jobs_dir: str) -> dict:
         raise ValueError(f"jobs directory {jobs_dir!r} does not exist")
     entries = {}
     for path in paths:
-        with open(path) as f:
-            doc = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                doc = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path} is not valid YAML: {e}") from e
         if not isinstance(doc, dict) or "schedule" not in doc:
             continue
         try:
@@ -62,8 +65,10 @@ def load_schedules(jobs_dir: str) -> dict:
         except (ValueError, FileNotFoundError) as e:
             raise ValueError(f"{path}: {e}") from e
         name = spec.name or os.path.splitext(os.path.basename(path))[0]
+        # a firing is built in a worker, whose directory may be another: the YAML's
+        # relative paths resolve against beat's, where they were checked now
         entries[name] = {"task": "batchspec.submit_scheduled", "schedule": schedule,
-                         "args": (os.path.abspath(path),)}
+                         "args": (os.path.abspath(path), os.getcwd())}
     if not entries:
         raise ValueError(f"no job YAML with a `schedule` in {jobs_dir!r}")
     return entries

@@ -173,18 +173,38 @@ class JobSpec:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown job setting(s) {unknown}; valid: {sorted(names)}")
-        return cls(**values)
+        # (the checks say what a missing one needs, as for an empty one)
+        return cls(**{"inputs": [], "output": ""} | values)
 
     @classmethod
     def build(cls, config: str | None = None, now: dt.datetime | None = None,
-              **options) -> JobSpec:
-        """From an optional YAML file plus CLI options (None / empty means 'not given')."""
+              base_dir: str | None = None, **options) -> JobSpec:
+        """From an optional YAML file plus CLI options (None / empty means 'not given');
+        relative paths of the YAML resolve against base_dir when given (a beat firing
+        built in a worker: the directory beat ran in), else the working directory."""
         values = load_yaml(config, now) if config else {}
+        if base_dir is not None:
+            values = _resolved(values, base_dir)
         for key, value in options.items():
             if value is None or value == ():
                 continue
             values[key] = list(value) if isinstance(value, tuple) else value
         return cls.from_dict(values)
+
+
+def _resolved(values: dict, base_dir: str) -> dict:
+    """A job YAML's values with its relative local paths (inputs, output, suffix_seed)
+    joined to base_dir."""
+    def join(p):
+        return p if not isinstance(p, str) or "://" in p or os.path.isabs(p) else \
+            os.path.join(base_dir, p)
+    out = dict(values)
+    if isinstance(out.get("inputs"), list):
+        out["inputs"] = [join(p) for p in out["inputs"]]
+    for key in ("output", "suffix_seed"):
+        if out.get(key) is not None:
+            out[key] = join(out[key])
+    return out
 
 
 def _absolute(path: str) -> str:

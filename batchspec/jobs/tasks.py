@@ -488,9 +488,10 @@ def submit_job(spec: JobSpec, shards: list | None = None) -> str:
 
 
 @app.task(name="batchspec.submit_scheduled", ignore_result=True)
-def submit_scheduled(config_path: str) -> str:
-    """A beat firing: the job YAML with today's dates filled into its paths."""
-    job_id = submit_job(JobSpec.build(config=config_path))
+def submit_scheduled(config_path: str, base_dir: str | None = None) -> str:
+    """A beat firing: the job YAML with today's dates filled into its paths, relative paths
+    joined to base_dir (the directory beat runs in)."""
+    job_id = submit_job(JobSpec.build(config=config_path, base_dir=base_dir))
     log.info("scheduled job %s from %s submitted", job_id, config_path)
     return job_id
 
