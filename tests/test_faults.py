@@ -127,6 +127,44 @@ def test_a_shard_runs_under_one_lease(redis_server, tmp_path):
     assert store.start_attempt("lease-job", "00000", "w3", ttl_s=30) == -2  # ended
 
 
+def test_a_shard_ending_after_redis_lost_the_job_leaves_no_record(redis_server, tmp_path):
+    """A Redis that lost a job's record (restarted without persistence) while a shard ran:
+    the shard's end writes nothing (it used to leave a record of counters alone, no state,
+    no output and no TTL, on which `status` failed), and a partial record left by an older
+    version says to submit the job again."""
+    from batchspec.jobs.shards import Shard
+    url = redis_server.rsplit("/", 1)[0] + "/5"
+    store = JobStore(url)
+    shard = Shard(0, str(tmp_path / "x.parquet"), "x", 0, 2)
+    store.create("lost-job", {"output": str(tmp_path / "out")}, [shard])
+    assert store.start_attempt("lost-job", "00000", "w1", ttl_s=30) == 1
+    store.r.flushdb()
+    store.update_info("lost-job", "00000", outcome="completed")
+    assert store.finish_shard("lost-job", "00000", "completed", 2, 0, 10) == -2
+    assert store.r.keys("*") == []
+    store.r.hset("batchspec:job:lost-job", mapping={"tokens_generated": 10})
+    r = subprocess.run([sys.executable, "-m", "batchspec.cli", "status", "lost-job",
+                        "--broker", url], capture_output=True, text=True)
+    assert r.returncode == 1 and "submit the job again" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_throughput_counts_the_shards_that_ran(redis_server, tmp_path):
+    """Shards found done (a resumed job's) count in the job's rows and tokens, not in its
+    throughput: a resume that ran one shard of six reported 5.8x its tokens/s."""
+    from batchspec.jobs.shards import Shard
+    store = JobStore(redis_server.rsplit("/", 1)[0] + "/6")
+    shards = [Shard(i, str(tmp_path / "x.parquet"), "x", 2 * i, 2) for i in range(2)]
+    store.create("resumed", {"output": str(tmp_path / "out")}, shards)
+    store.set_fields("resumed", started_at="2026-12-01T03:00:00+00:00",
+                     finished_at="2026-12-01T03:00:10+00:00")
+    store.finish_shard("resumed", "00000", "completed", 2, 0, 500, ran=False)
+    store.finish_shard("resumed", "00001", "completed", 2, 0, 100)
+    job = store.get("resumed")
+    assert job["requests_completed"] == 4 and job["tokens_generated"] == 600
+    assert job["tokens_per_s"] == 10.0 and job["requests_per_s"] == 0.2
+
+
 def test_a_slow_step_keeps_its_lease(redis_server, tmp_path):
     """The lease is renewed from a thread: a step far longer than the TTL (here the main
     thread sleeping) never lets the shard look dead to reconcile()."""

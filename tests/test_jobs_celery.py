@@ -205,6 +205,23 @@ def test_cancel_stops_the_job(worker, redis_server, store, slow_model, tmp_path)
     job_id = r.stdout.strip().splitlines()[-1]
     wait_until(lambda: "completed" in store.shard_states(job_id).values(), 120,
                "a first shard to complete", 0.05)
+    # a second job into the running job's directory is refused, naming the first
+    again = batchspec(redis_server, "submit", path, "-o", out, "--model", slow_model,
+                      "--shard-size", 1)
+    assert again.returncode == 1 and f"job {job_id} is still running in {out}" in again.stderr
+    # Ctrl-C on `submit --wait` stops the waiting, not the job, and says how to follow it
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "batchspec.cli", "submit", str(path), "-o", str(tmp_path / "o2"),
+         "--model", slow_model, "--wait", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "BATCHSPEC_REDIS_URL": redis_server})
+    wait_until(lambda: any(j["output"] == str(tmp_path / "o2") for j in store.recent(5)), 60,
+               "the second job to be submitted", 0.1)
+    waiting.send_signal(signal.SIGINT)
+    _, err = waiting.communicate(timeout=60)
+    second = next(j["job_id"] for j in store.recent(5) if j["output"] == str(tmp_path / "o2"))
+    assert waiting.returncode == 1 and f"batchspec cancel {second}" in err, err
+    assert "Traceback" not in err and store.get(second)["state"] not in TERMINAL
+    assert batchspec(redis_server, "cancel", second).returncode == 0
     r = CliRunner().invoke(cli, ["cancel", job_id, "--broker", redis_server])
     cancelled_at = dt.datetime.now(dt.UTC)
     assert r.exit_code == 0 and r.stdout.strip() == "cancelling", r.output

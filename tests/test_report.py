@@ -95,3 +95,20 @@ def test_path_without_acceptance_files_is_a_usage_error(tmp_path):
     assert res.exit_code == 2
     assert "no acceptance/ directory" in res.output and "OUT/acceptance/part-*.parquet" in res.output
     assert run(tmp_path / "nowhere").exit_code == 2
+
+
+def test_a_job_file_without_records_is_named_or_skipped(tmp_path):
+    """An outputs file named for a report is a usage error that names it (it was a
+    traceback from Polars); one a glob matches beside the acceptance files is skipped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    job = write_job(str(tmp_path / "job"), [synthetic_records(20)])
+    os.makedirs(tmp_path / "job" / "outputs")
+    outputs = tmp_path / "job" / "outputs" / "part-00000.parquet"
+    pq.write_table(pa.table({"id": ["a"], "text": ["x"]}), outputs)
+    res = run(outputs)
+    assert res.exit_code == 2 and "holds no acceptance records" in res.output
+    assert str(outputs) in res.output and "Traceback" not in res.output
+    res = run(f"{job}/*/part-*.parquet")
+    assert res.exit_code == 0, res.output
+    assert "20 (" in res.output

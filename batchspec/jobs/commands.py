@@ -104,6 +104,7 @@ def _set_broker(ctx, _param, value):
 
 broker_option = click.option(
     "--broker", envvar="BATCHSPEC_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
+    show_envvar=True,
     expose_value=False, callback=_set_broker, is_eager=True,
     help="Redis URL of the broker, result backend and job store.")
 
@@ -130,8 +131,9 @@ def redis_problem(e: Exception) -> str | None:
         why = "connection refused" if "refused" in text else str(e).strip().rstrip(".")
         return (f"cannot reach Redis at {url} ({why}): start redis-server, or pass --broker "
                 f"/ set BATCHSPEC_REDIS_URL")
-    if isinstance(e, ValueError) and "redis url" in text:
-        return f"invalid Redis URL {url}: use redis://HOST:PORT/DB (or rediss://, unix://)"
+    if isinstance(e, ValueError) and ("redis url" in text or text.startswith("port ")):
+        return (f"invalid Redis URL {url} ({e}): use redis://HOST:PORT/DB (or rediss://, "
+                f"unix://, sentinel://)")
     return None
 
 
@@ -238,6 +240,10 @@ def _get_job(store, job_id: str) -> dict:
     job = store.get(job_id)
     if job is None:
         raise click.ClickException(f"no job {job_id!r} in this Redis (see `batchspec jobs`)")
+    if "state" not in job or "output" not in job:   # counters left of a record Redis lost
+        raise click.ClickException(
+            f"job {job_id!r} has only part of its record in this Redis (Redis lost it): "
+            f"submit the job again with the same inputs and -o to finish it")
     return job
 
 
@@ -287,6 +293,11 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
     from batchspec.jobs.tasks import submit_job
     spec = build_spec(config, **options)
     shards = plan_job(spec)
+    busy = [j for j in store.active_jobs() if store.job_field(j, "output") == spec.output]
+    if busy:      # two jobs in one directory would run its shards twice over
+        raise click.ClickException(
+            f"job {busy[0]} is still running in {spec.output}: wait for it (batchspec status "
+            f"{busy[0]}), cancel it (batchspec cancel {busy[0]}), or use another -o")
     done = check_output(spec.to_dict(), shards, overwrite=overwrite)
     if done is not None:
         _already_complete(done)
@@ -298,7 +309,12 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
         click.echo(job_id)
         return
     click.echo(f"submitted {job_id}", err=True)
-    job = wait_for(store, job_id, progress=not quiet)
+    try:
+        job = wait_for(store, job_id, progress=not quiet)
+    except KeyboardInterrupt:
+        raise click.ClickException(
+            f"stopped waiting; job {job_id} goes on in the workers: follow it with "
+            f"batchspec status {job_id}, or stop it with batchspec cancel {job_id}") from None
     from batchspec.jobs.display import ending_of_record
     from batchspec.jobs.openai_batch import output_paths
     openai_files = output_paths(job["output"]) if spec.output_format == "openai" else None
@@ -346,7 +362,8 @@ def _alpha_so_far(store, job: dict):
 
 
 @click.command()
-@click.option("--limit", type=int, default=20, show_default=True, help="How many jobs.")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="How many jobs.")
 @broker_option
 @click.pass_context
 @clear_errors
@@ -413,8 +430,10 @@ def worker(ctx, device, tensor_parallel_size, concurrency, pool, loglevel, hostn
     if metrics_port:  # before the pool forks: its children record, this process serves
         from batchspec.jobs.metrics import serve_worker
         serve_worker(metrics_port, ctx.obj["broker"], QUEUE)
+    # (no gossip or mingle: batchspec's workers coordinate through the job store alone,
+    # and after a Redis outage Celery's gossip logged a long traceback per restart)
     argv = ["worker", f"--concurrency={concurrency}", f"--pool={pool}",
-            f"--loglevel={loglevel}", "-Q", QUEUE]
+            f"--loglevel={loglevel}", "-Q", QUEUE, "--without-gossip", "--without-mingle"]
     use_broker(ctx.obj["broker"]).worker_main(argv + ([f"--hostname={hostname}"] if hostname else []))
 
 

@@ -30,8 +30,12 @@ from redis.retry import Retry
 from batchspec.jobs.shards import Shard
 
 PREFIX = "batchspec:"
+# tokens_generated counts the tokens shards made while the job ran, and takes the total of
+# its output files when it ends; tokens_run keeps the former, and requests_run counts the
+# rows completed by shards that ran (not found done): what throughput divides.
 COUNTERS = ("shards_total", "shards_completed", "shards_failed", "shards_cancelled",
-            "requests_total", "requests_completed", "requests_failed", "tokens_generated")
+            "requests_total", "requests_completed", "requests_failed", "tokens_generated",
+            "tokens_run", "requests_run")
 
 ENDED_LUA = "s == 'completed' or s == 'failed' or s == 'cancelled'"
 
@@ -79,9 +83,12 @@ redis.call('HDEL', KEYS[4], ARGV[1])
 return 1
 """
 
-# ARGV: shard, outcome (completed|failed|cancelled), requests ok, requests failed, tokens
-# KEYS: job, state, progress, lease, owner.
+# ARGV: shard, outcome (completed|failed|cancelled), requests ok, requests failed, tokens,
+# now, whether the shard ran ('1') or was found done ('0').
+# KEYS: job, state, progress, lease, owner. -2: no job record (a Redis that lost it: the
+# record is not rebuilt from counters alone).
 _FINISH = f"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
 local s = redis.call('HGET', KEYS[2], ARGV[1])
 if {ENDED_LUA} then return -1 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
@@ -92,6 +99,10 @@ redis.call('HINCRBY', KEYS[1], 'shards_' .. ARGV[2], 1)
 redis.call('HINCRBY', KEYS[1], 'requests_completed', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'requests_failed', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'tokens_generated', ARGV[5])
+if ARGV[7] == '1' then
+  redis.call('HINCRBY', KEYS[1], 'tokens_run', ARGV[5])
+  redis.call('HINCRBY', KEYS[1], 'requests_run', ARGV[3])
+end
 local c = redis.call('HMGET', KEYS[1], 'shards_total', 'shards_completed', 'shards_failed',
                      'shards_cancelled')
 if tonumber(c[2]) + tonumber(c[3]) + tonumber(c[4]) >= tonumber(c[1]) then
@@ -203,8 +214,10 @@ class JobStore:
         self.r.srem(PREFIX + "active", job_id)
 
     def set_final(self, job_id: str, **fields) -> None:
-        """Record a job's end (its state among `fields`): it leaves the active set."""
+        """Record a job's end (its state among `fields`): it leaves the active set (and
+        the finalizer's claim goes)."""
         self.set_fields(job_id, **fields)
+        self.r.hdel(self._key(job_id), "finalizing_since")
         self.r.srem(PREFIX + "active", job_id)
 
     def exists(self, job_id: str) -> bool:
@@ -230,6 +243,8 @@ class JobStore:
         return {k: json.loads(v) for k, v in self.r.hgetall(self._key(job_id, "info")).items()}
 
     def update_info(self, job_id: str, shard_id: str, **fields) -> None:
+        if not self.exists(job_id):   # (a record lost: no stray key without a TTL)
+            return
         key = self._key(job_id, "info")
         info = json.loads(self.r.hget(key, shard_id) or "{}")
         self.r.hset(key, shard_id, json.dumps(info | fields))
@@ -291,14 +306,16 @@ class JobStore:
                 for k, v in self.r.hgetall(self._key(job_id, "progress")).items()}
 
     def finish_shard(self, job_id: str, shard_id: str, outcome: str, requests_ok: int = 0,
-                     requests_failed: int = 0, tokens: int = 0) -> int:
-        """Record a shard's end once. Returns 1 if it was the job's last shard (the caller
-        finalizes), 0 if not, -1 if the shard had already ended (a redelivery)."""
+                     requests_failed: int = 0, tokens: int = 0, ran: bool = True) -> int:
+        """Record a shard's end once (ran: it ran now, rather than being found done).
+        Returns 1 if it was the job's last shard (the caller finalizes), 0 if not, -1 if the
+        shard had already ended (a redelivery), -2 if the job has no record."""
         keys = [self._key(job_id), self._key(job_id, "state"), self._key(job_id, "progress"),
                 self.lease_key(job_id, shard_id), self._key(job_id, "owner")]
         return int(self._finish(keys=keys, args=[shard_id, outcome, requests_ok,
                                                  requests_failed, tokens,
-                                                 dt.datetime.now(dt.UTC).timestamp()]))
+                                                 dt.datetime.now(dt.UTC).timestamp(),
+                                                 "1" if ran else "0"]))
 
     def cancel(self, job_id: str) -> str:
         return self._cancel(keys=[self._key(job_id)])
@@ -320,14 +337,14 @@ class JobStore:
         job |= {c: int(raw.get(c, 0)) for c in COUNTERS}
         running = self.running_progress(job_id).values()
         job["requests_in_progress"] = sum(r[0] for r in running)
-        tokens = job["tokens_generated"] + sum(r[1] for r in running)
+        tokens = job["tokens_run"] + sum(r[1] for r in running)
         start = raw.get("started_at")
         if start:
             end = raw.get("finished_at")
             end_t = dt.datetime.fromisoformat(end) if end else dt.datetime.now(dt.UTC)
             elapsed = max((end_t - dt.datetime.fromisoformat(start)).total_seconds(), 1e-9)
             job["tokens_per_s"] = tokens / elapsed
-            job["requests_per_s"] = job["requests_completed"] / elapsed
+            job["requests_per_s"] = job["requests_run"] / elapsed
         for k in ("summary", "failed_shards"):
             if k in job:
                 job[k] = json.loads(job[k])

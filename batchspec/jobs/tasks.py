@@ -128,7 +128,7 @@ def finalize_job(job_id: str, store: JobStore | None = None) -> dict:
     try:
         doc = finalize(store.spec(job_id), store.plan(job_id), job_id=job_id,
                        timings=timings, failed_shards=failed, cancelled=cancelled,
-                       extra={"shards_skipped": skipped})
+                       extra={"shards_skipped": skipped}, tokens_run=job["tokens_run"])
     except Exception as e:
         log.exception("job %s: could not write its summary", job_id)
         error = f"could not write _job.json: {type(e).__name__}: {e}"
@@ -147,8 +147,14 @@ def _end(job_id: str, shard_id: str, outcome: str, ok: int = 0, bad: int = 0,
          tokens: int = 0, **info) -> str:
     store = worker_store()
     store.update_info(job_id, shard_id, finished_at=now_iso(), outcome=outcome, **info)
-    if store.finish_shard(job_id, shard_id, outcome, ok, bad, tokens) == 1:
+    ended = store.finish_shard(job_id, shard_id, outcome, ok, bad, tokens,
+                               ran=not info.get("skipped"))
+    if ended == 1:
         finalize_job(job_id, store)
+    elif ended == -2:
+        log.warning("shard %s of job %s ended %s, but the job has no record (Redis lost "
+                    "it): submit the job again to finish it; its written shards are kept",
+                    shard_id, job_id, outcome)
     return outcome
 
 
@@ -514,9 +520,11 @@ def _record_done(store: JobStore, job_id: str, output: str, shard_id: str) -> bo
     with fs.open(path, "rb") as f:
         tokens = sum(pq.read_table(f, columns=["num_output_tokens"])
                      .column(0).to_pylist())
-    store.update_info(job_id, shard_id, finished_at=now_iso(), outcome="completed",
-                      recovered=True)
-    if store.finish_shard(job_id, shard_id, "completed", ok, bad, tokens) == 1:
+    ended = store.finish_shard(job_id, shard_id, "completed", ok, bad, tokens)
+    if ended >= 0:      # (not a shard its own worker ended meanwhile)
+        store.update_info(job_id, shard_id, finished_at=now_iso(), outcome="completed",
+                          recovered=True)
+    if ended == 1:
         finalize_job(job_id, store)
     return True
 

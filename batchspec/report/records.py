@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import fsspec
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from batchspec.contract import ACCEPTANCE_SCHEMA
@@ -71,6 +73,32 @@ def _url(fs, path: str) -> str:
     return os.path.abspath(path) if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
+# Columns every acceptance file has: a Parquet file given without them is another file of
+# a job (outputs/, errors/) or not a job's at all.
+RECORD_KEYS = ("request_id", "total_drafted", "total_accepted")
+
+
+def _holds_records(fs, file: str, path: str, named: bool) -> bool:
+    """Whether a Parquet file holds acceptance records: a file named that does not (an
+    outputs file, say) is an error; one a glob matched is skipped with a warning (a glob
+    over a tree of jobs matches their outputs/ and errors/ files too)."""
+    if not fs.size(file):
+        return True                              # (debris: skipped with a warning below)
+    try:
+        with fs.open(file, "rb") as f:
+            names = pq.read_schema(f).names
+        missing = [c for c in RECORD_KEYS if c not in names]
+        why = f"holds no acceptance records (no column {missing[0]!r})" if missing else None
+    except pa.ArrowException as e:
+        why = f"is not a readable Parquet file ({e})"
+    if why is None:
+        return True
+    if named:
+        raise NoAcceptanceData(f"{path}: {file} {why}; {HOW_TO}")
+    log.warning("%s: skipping %s, which %s", path, file, why)
+    return False
+
+
 def find_acceptance_files(paths: Iterable[str]) -> list[str]:
     """Parquet files of acceptance records under `paths`: job output dirs (any depth, so a tree
     of jobs or hive partitions works), acceptance/ dirs, parquet files, or globs of these;
@@ -91,7 +119,8 @@ def find_acceptance_files(paths: Iterable[str]) -> list[str]:
             if is_dir and under is None and not is_glob:
                 raise NoAcceptanceData(f"{path}: no acceptance/ directory below it; {HOW_TO}")
             if under is None and not is_dir and match.endswith(".parquet"):
-                under = [(match, fs.size(match))]
+                if _holds_records(fs, match, path, named=not is_glob):
+                    under = [(match, fs.size(match))]
             found += under or []
         if is_glob and not found:
             raise NoAcceptanceData(f"{path}: no such path, and no acceptance files match it; "
