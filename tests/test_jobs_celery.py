@@ -253,6 +253,10 @@ def test_beat_schedule_submits_and_completes_a_job(worker, redis_server, store, 
         "name: beat-quick\nschedule: every 2s\ninputs: [data/in.parquet]\n"
         f"output: out/{{date}}/{{now:%H%M%S%f}}\nmodel: {tiny_llama}\n"
         "max_tokens: 3\nshard_size: 10\n")
+    # a firing whose inputs are missing tonight: a failed job that says why
+    (tmp_path / "jobs" / "missing.yaml").write_text(
+        "name: beat-missing\nschedule: every 2s\ninputs: ['data/{date}/*.parquet']\n"
+        f"output: out/missing/{{now:%H%M%S%f}}\nmodel: {tiny_llama}\n")
     assert os.getcwd() != str(tmp_path)
     with open(tmp_path / "beat.log", "wb") as log:
         beat = subprocess.Popen(
@@ -267,6 +271,13 @@ def test_beat_schedule_submits_and_completes_a_job(worker, redis_server, store, 
             os.killpg(beat.pid, signal.SIGTERM)
             beat.wait(30)
     assert job["state"] == "completed", (tmp_path / "beat.log").read_text()[-2000:]
+    missing = wait_until(lambda: next((j for j in store.recent(50) if j["job_id"]
+                                       .startswith("beat-missing")), None), 60,
+                         "the firing with no inputs to be recorded", 0.2)
+    assert missing["state"] == "failed" and "matches no files" in missing["error"]
+    assert missing["output"].startswith(f"{tmp_path}/out/missing/")
+    status = batchspec(redis_server, "status", missing["job_id"])
+    assert status.returncode == 0 and "matches no files" in status.stdout, status.stderr
     out = job["output"]
     assert out.startswith(f"{tmp_path}/out/{dt.datetime.now(dt.UTC).date()}/")
     assert os.path.exists(os.path.join(out, "_SUCCESS"))

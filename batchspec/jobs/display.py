@@ -93,7 +93,9 @@ def status_table(job: dict, alpha: float | str | None, shards: dict[str, dict]) 
              f"{job['requests_per_s']:.2f} requests/s, {job['tokens_per_s']:.1f} tokens/s "
              f"({job['tokens_generated']:,} tokens)"),
             ("acceptance α", _rate(alpha) if job["shards_completed"] else "- (no shard done yet)"),
-            ("output", job["output"])]
+            ("output", job["output"] or "-")]
+    if job.get("error"):
+        rows.append(("error", job["error"]))
     times = [f"{k.removesuffix('_at')} {job[k]}" for k in ("created_at", "started_at",
                                                            "finished_at") if job.get(k)]
     rows.append(("times", ", ".join(times)))

@@ -203,6 +203,18 @@ class JobStore:
         pipe.sadd(PREFIX + "active", job_id)
         pipe.execute()
 
+    def create_failed(self, job_id: str, output: str, error: str, ttl_s: int) -> None:
+        """The record of a job that could not be submitted (a beat firing whose inputs are
+        missing, say): it ends at once, failed with `error`, and lists among the jobs."""
+        now = now_iso()
+        fields = {"job_id": job_id, "state": "failed", "output": output, "error": error,
+                  "created_at": now, "finished_at": now, **{c: 0 for c in COUNTERS}}
+        pipe = self.r.pipeline()
+        pipe.hset(self._key(job_id), mapping=fields)
+        pipe.expire(self._key(job_id), ttl_s)
+        pipe.zadd(PREFIX + "jobs", {job_id: dt.datetime.now(dt.UTC).timestamp()})
+        pipe.execute()
+
     def active_jobs(self) -> list[str]:
         """Jobs not yet final: what the periodic checks reconcile."""
         return sorted(self.r.smembers(PREFIX + "active"))

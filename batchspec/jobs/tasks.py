@@ -14,6 +14,7 @@ beat, `batchspec status` and `submit --wait`."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import datetime as dt
 import gc
@@ -40,7 +41,7 @@ from batchspec.jobs.runner import (
     start_job,
 )
 from batchspec.jobs.shards import Shard
-from batchspec.jobs.spec import JobSpec, new_job_id
+from batchspec.jobs.spec import JobSpec, load_yaml, new_job_id
 from batchspec.jobs.states import FINAL, SHARD_ENDED
 from batchspec.jobs.store import JobStore, now_iso
 from batchspec.jobs.summary import finalize
@@ -496,8 +497,26 @@ def submit_job(spec: JobSpec, shards: list | None = None) -> str:
 @app.task(name="batchspec.submit_scheduled", ignore_result=True)
 def submit_scheduled(config_path: str, base_dir: str | None = None) -> str:
     """A beat firing: the job YAML with today's dates filled into its paths, relative paths
-    joined to base_dir (the directory beat runs in)."""
-    job_id = submit_job(JobSpec.build(config=config_path, base_dir=base_dir))
+    joined to base_dir (the directory beat runs in). A firing that cannot be submitted
+    (tonight's inputs missing, a model gone) is recorded as a failed job with the reason,
+    so that `batchspec jobs` shows it: in the worker's log alone, a nightly job that never
+    ran looked like one that was never due."""
+    try:
+        job_id = submit_job(JobSpec.build(config=config_path, base_dir=base_dir))
+    except Exception as e:
+        log.exception("scheduled job from %s could not be submitted", config_path)
+        values = {}
+        with contextlib.suppress(Exception):
+            values = load_yaml(config_path)
+        name = values.get("name") or os.path.splitext(os.path.basename(config_path))[0]
+        output = str(values.get("output") or "")
+        if output and base_dir is not None and "://" not in output:
+            output = os.path.join(base_dir, output)
+        job_id = new_job_id(str(name))
+        worker_store().create_failed(
+            job_id, output, f"could not submit {config_path}: {type(e).__name__}: {e}",
+            int(float(os.environ.get("BATCHSPEC_JOB_TTL_DAYS", 30)) * 86400))
+        return job_id
     log.info("scheduled job %s from %s submitted", job_id, config_path)
     return job_id
 
