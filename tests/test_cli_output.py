@@ -145,3 +145,16 @@ def test_help_and_the_commands_list_load_neither_torch_nor_polars():
             "print(sorted({'torch', 'transformers', 'polars'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_jobs_limit_and_a_bad_redis_port_are_one_line():
+    """`jobs --limit 0` listed every job (and -1 all but one); a Redis URL with a port that is
+    not a number said only "Port could not be cast to integer value"."""
+    from batchspec.cli import _register, cli
+    _register()
+    r = CliRunner().invoke(cli, ["jobs", "--limit", "0"])
+    assert r.exit_code == 2 and "--limit" in r.output
+    for url in ("redis://127.0.0.1:abc/0", "redis://127.0.0.1:99999/0"):
+        r = CliRunner().invoke(cli, ["jobs", "--broker", url])
+        assert r.exit_code == 1 and f"invalid Redis URL {url}" in r.stderr, r.output
+        assert "Traceback" not in r.output
