@@ -158,6 +158,9 @@ class EngineConfig:
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a Hugging Face model directory")
+        if not isinstance(self.drafts or {}, dict):
+            raise ValueError(f"drafts must map a domain to its draft ({{'default': PATH}}), "
+                             f"got {type(self.drafts).__name__}")
         self.drafts = {str(k): str(v) for k, v in (self.drafts or {}).items()}
         for domain in self.drafts:
             # the engine names the sources it adds beside domain D's draft D+vocab, D+ngram
@@ -190,8 +193,10 @@ class EngineConfig:
                                    *(draft_sources(v)[0] for v in self.drafts.values())]):
             if path not in LOOKUP_SOURCES:
                 check_model_files(path)
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
+        if isinstance(self.num_speculative_tokens, bool) or \
+                not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got "
+                             f"{self.num_speculative_tokens!r}")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ValueError("confidence_threshold must be in [0, 1)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -65,6 +65,7 @@ class LLM:
 
     def _init(self, config: EngineConfig) -> None:
         self.config = config
+        self._closed = False
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
@@ -134,10 +135,22 @@ class LLM:
                      request_ids: Seq[str] | None = None) -> list[Sequence]:
         """Make and queue requests (see make_request). Raises ValueError (naming the prompt)
         before anything is queued."""
+        if self._closed or self.engine.closed:
+            raise RuntimeError("this LLM is closed: make another to generate")
+        if isinstance(prompts, str):      # one prompt (vLLM's generate takes one too)
+            prompts = [prompts]
+        elif not isinstance(prompts, list | tuple):
+            try:
+                prompts = list(prompts)
+            except TypeError:
+                raise TypeError(f"prompts must be a string or a list of prompts, got "
+                                f"{type(prompts).__name__}") from None
         n = len(prompts)
         if params is None:
             params = SamplingParams()
         params = [params] * n if isinstance(params, SamplingParams) else list(params)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("params must be a SamplingParams or a list of them, one a prompt")
         domains = [None] * n if domains is None else list(domains)
         ids = [str(i) for i in range(n)] if request_ids is None else [str(r) for r in request_ids]
         if not (len(params) == len(domains) == len(ids) == n):
@@ -153,6 +166,7 @@ class LLM:
     def close(self) -> None:
         """Release the engine (stops a tensor-parallel target's rank processes); garbage
         collection does the same. The LLM cannot generate afterwards."""
+        self._closed = True
         self.engine.close()
 
     def __enter__(self) -> LLM:

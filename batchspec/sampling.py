@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 SEED_RANGE = (-2**63, 2**63)   # a seed is an int64
@@ -19,6 +20,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        # (numbers of numpy's or torch's count as numbers; a bool or 1.5 tokens does not)
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
+        for name in ("top_k", "max_tokens", "seed"):
+            value = getattr(self, name)
+            if value is None and name == "seed":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+            setattr(self, name, int(value))
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -33,6 +47,11 @@ class SamplingParams:
             raise ValueError(f"seed must fit in 64 bits (|seed| < 2**63), got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, list | tuple) or \
+                not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings (an empty "
+                             f"one would stop at once), got {self.stop!r}")
+        self.stop = list(self.stop)
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
 
     @property

@@ -130,6 +130,37 @@ def test_context_limit_and_bad_prompts(tiny_llama):
         llm.generate([3.5], use_tqdm=False)
 
 
+def test_api_inputs_a_user_gets_wrong(tiny_llama, tiny_draft):
+    """A single string is one prompt (it ran one prompt per character); the other mistakes
+    are a clear exception before anything runs, not an error deep in a step."""
+    llm = LLM(tiny_llama, device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    one = llm.generate("hello there", greedy, use_tqdm=False)
+    assert len(one) == 1
+    assert one[0].token_ids == llm.generate(["hello there"], greedy, use_tqdm=False)[0].token_ids
+    assert len(llm.generate(iter(["a b", "c d"]), greedy, use_tqdm=False)) == 2
+    with pytest.raises(TypeError, match="prompts must be a string or a list"):
+        llm.generate(None, use_tqdm=False)
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        llm.generate(["a"], {"temperature": 0}, use_tqdm=False)
+    for bad, error, match in [(dict(max_tokens=1.5), TypeError, "max_tokens must be an integer"),
+                              (dict(max_tokens=True), TypeError, "max_tokens must be an integer"),
+                              (dict(temperature="0"), TypeError, "temperature must be a number"),
+                              (dict(stop=""), ValueError, "non-empty strings"),
+                              (dict(stop=[""]), ValueError, "non-empty strings"),
+                              (dict(stop=5), ValueError, "stop must be")]:
+        with pytest.raises(error, match=match):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="drafts must map a domain"):
+        LLM(tiny_llama, drafts=[tiny_draft], device="cpu")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer"):
+        LLM(tiny_llama, drafts={"default": tiny_draft}, num_speculative_tokens=2.5,
+            device="cpu")
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(["a"], use_tqdm=False)
+
+
 def test_chat_messages(llm):
     msgs = [{"role": "user", "content": "say hi"}]
     ids = llm.encode(msgs)
