@@ -112,3 +112,33 @@ def test_a_job_file_without_records_is_named_or_skipped(tmp_path):
     res = run(f"{job}/*/part-*.parquet")
     assert res.exit_code == 0, res.output
     assert "20 (" in res.output
+
+
+def test_what_a_report_cannot_use_is_one_line(tmp_path):
+    """A text file, a damaged acceptance file, a breakdown by a measured column, a negative
+    --outliers and a store whose package is missing: one line each (an empty report, two
+    Polars tracebacks, a blame on --by and an ImportError's traceback, before). A job whose
+    inputs held no rows reports no records instead of "no acceptance/ directory"."""
+    (tmp_path / "notes.txt").write_text("hi")
+    res = run(tmp_path / "notes.txt")
+    assert res.exit_code == 2 and "not a Parquet file" in res.output
+    job = write_job(str(tmp_path / "job"), [synthetic_records(10), synthetic_records(10, 1)])
+    part = tmp_path / "job" / "acceptance" / "part-00001.parquet"
+    part.write_bytes(part.read_bytes()[:300])
+    res = CliRunner().invoke(cli, ["report", job])
+    assert res.exit_code == 1 and f"{part} cannot be read" in res.output, res.output
+    assert "Traceback" not in res.output
+    good = write_job(str(tmp_path / "good"), [synthetic_records(10)])
+    res = run(good, "--by", "total_drafted")
+    assert res.exit_code == 2 and "a breakdown measures it" in res.output
+    res = run(good, "--outliers", "-3")
+    assert res.exit_code == 2 and "--outliers" in res.output and "--by" not in res.output
+    import importlib.util
+    if importlib.util.find_spec("s3fs") is None:
+        res = CliRunner().invoke(cli, ["report", "s3://bucket/x"])
+        assert res.exit_code == 1 and "s3fs" in res.output and "Traceback" not in res.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "_job.json").write_text("{}")
+    res = run(empty)
+    assert res.exit_code == 0 and "the jobs wrote no shard" in res.output

@@ -238,6 +238,10 @@ def analyze(source: Iterable[str] | pl.LazyFrame, by: Sequence[str] = ("domain",
     if unknown:
         raise ValueError(f"cannot break down by {unknown}; use {sorted(BREAKDOWN_KEYS)} "
                          f"or a column name")
+    measured = [k for k in by if k in {e.meta.output_name() for e in _rates()}]
+    if measured:        # (a breakdown row holds each of these as its aggregate)
+        raise ValueError(f"cannot break down by {measured}: a breakdown measures it; use "
+                         f"{sorted(BREAKDOWN_KEYS)} or another column")
     # records written before round_source existed have no per-round sources
     sources = source_query(lf) if "round_source" in columns else \
         pl.LazyFrame(schema={"source": pl.String})

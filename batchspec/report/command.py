@@ -38,6 +38,8 @@ def _label(x, key: str = "draft") -> str:
 
 def notice(r: dict) -> str | None:
     """Why there is nothing to chart, when that is so."""
+    if r["summary"]["requests"] == 0 and r.get("files") == 0:
+        return "No acceptance records: the jobs wrote no shard (their inputs held no rows)."
     if r["summary"]["requests"] == 0:
         return "No acceptance records: the acceptance files hold no rows (empty shards)."
     if r["acceptance_rate"] is None:
@@ -193,8 +195,8 @@ def render_html(r: dict) -> str:
               help="Comma-separated breakdowns: domain, draft, temperature, target, job, k, "
                    "or any record or hive-partition column.")
 @click.option("--outliers", "num_outliers", default=10, show_default=True,
-              help="How many lowest-α requests to list.")
-@click.option("--min-drafted", default=1, show_default=True,
+              type=click.IntRange(min=0), help="How many lowest-α requests to list.")
+@click.option("--min-drafted", default=1, show_default=True, type=click.IntRange(min=0),
               help="Only requests that drafted at least this many tokens count as outliers.")
 def report(paths, json_path, html_path, by, num_outliers, min_drafted):
     """Acceptance rate (α) of the jobs whose output dirs (or acceptance parquet files, or
@@ -202,10 +204,20 @@ def report(paths, json_path, html_path, by, num_outliers, min_drafted):
     depth, with the lowest-α requests."""
     from batchspec.report.analysis import NoAcceptanceData, analyze  # (polars: not for --help)
     keys = [k.strip() for k in by.split(",") if k.strip()]
+    import polars as pl
     try:
         r = analyze(paths, by=keys, num_outliers=num_outliers, min_drafted=min_drafted)
     except NoAcceptanceData as e:
         raise click.UsageError(str(e)) from None
+    except ImportError as e:     # a URL of a store whose fsspec package is not installed
+        raise click.ClickException(str(e)) from None
+    except pl.exceptions.PolarsError as e:     # a file damaged after its job wrote it
+        from batchspec.report.records import unreadable_file
+        bad = unreadable_file(paths)
+        raise click.ClickException(
+            f"{bad or 'an acceptance file'} cannot be read ({str(e).splitlines()[0]}): "
+            f"restore it, or delete its shard's outputs file and run the job again, which "
+            f"runs the shard again") from None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--by") from None
     click.echo(render_text(r), nl=False)

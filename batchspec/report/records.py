@@ -117,10 +117,15 @@ def find_acceptance_files(paths: Iterable[str]) -> list[str]:
             is_dir = fs.isdir(match)
             under = _files_under(fs, match) if is_dir else None
             if is_dir and under is None and not is_glob:
-                raise NoAcceptanceData(f"{path}: no acceptance/ directory below it; {HOW_TO}")
+                if not fs.exists(posixpath.join(match, "_job.json")):
+                    raise NoAcceptanceData(f"{path}: no acceptance/ directory below it; "
+                                           f"{HOW_TO}")
+                under = []           # a job whose inputs held no rows: no shard, no records
             if under is None and not is_dir and match.endswith(".parquet"):
                 if _holds_records(fs, match, path, named=not is_glob):
                     under = [(match, fs.size(match))]
+            elif under is None and not is_dir and not is_glob:
+                raise NoAcceptanceData(f"{path}: not a Parquet file; {HOW_TO}")
             found += under or []
         if is_glob and not found:
             raise NoAcceptanceData(f"{path}: no such path, and no acceptance files match it; "
@@ -131,6 +136,19 @@ def find_acceptance_files(paths: Iterable[str]) -> list[str]:
     if empty:
         log.warning("skipping %d zero-byte file(s), e.g. %s", len(empty), empty[0])
     return sorted(set(files) - set(empty))
+
+
+def unreadable_file(paths: Iterable[str]) -> str | None:
+    """The first acceptance file under `paths` whose Parquet footer cannot be read (what to
+    name when a scan fails), or None."""
+    for file in find_acceptance_files(paths):
+        fs, path = fsspec.core.url_to_fs(file)
+        try:
+            with fs.open(path, "rb") as f:
+                pq.ParquetFile(f)
+        except (pa.ArrowException, OSError):
+            return file
+    return None
 
 
 def _hive_keys(path: str) -> set[str]:
