@@ -51,6 +51,13 @@ def test_expand_inputs_dirs_and_missing(tmp_path):
         expand_inputs([str(tmp_path / "nope.parquet")])
     with pytest.raises(FileNotFoundError, match="matches no files"):
         expand_inputs([str(tmp_path / "*.csv")])
+    # a glob that matches folders gives their Parquet files (it gave the folders, which
+    # then failed to read: "Is a directory")
+    for day in ("d1", "d2"):
+        (tmp_path / day / "outputs").mkdir(parents=True)
+        pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / day / "outputs" / "p.parquet")
+    assert expand_inputs([str(tmp_path / "d*" / "outputs")]) == [
+        str(tmp_path / day / "outputs" / "p.parquet") for day in ("d1", "d2")]
 
 
 def test_fsspec_url_inputs(tmp_path):

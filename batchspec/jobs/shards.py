@@ -63,14 +63,18 @@ def _is_url(path: str) -> bool:
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:
-    """Paths, directories (their *.parquet files), globs and URLs -> a list of files, in the
-    order given (each glob sorted), without duplicates. Missing inputs raise at once."""
+    """Paths, directories (their *.parquet files), globs (of files or directories) and URLs
+    -> a list of files, in the order given (each glob sorted), without duplicates. Missing
+    inputs raise at once."""
     files: list[str] = []
     for item in inputs:
         fs, path = fsspec.core.url_to_fs(item)
         protocol = item.split("://", 1)[0] + "://" if _is_url(item) else ""
         if any(c in path for c in GLOB_CHARS):
-            found = sorted(fs.glob(path))
+            # a folder it matches gives its *.parquet files, as a folder named does
+            found = [f for p in sorted(fs.glob(path)) for f in
+                     (sorted(q for q in fs.ls(p, detail=False) if q.endswith(".parquet"))
+                      if fs.isdir(p) else [p])]
             if not found:
                 raise FileNotFoundError(f"input {item!r} matches no files")
         elif fs.isdir(path):
