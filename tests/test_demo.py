@@ -65,6 +65,10 @@ def test_distill_writes_a_loadable_draft(tiny_llama, prompts_parquet, tmp_path):
     model = hfref.load_causal_lm(out)
     assert model.dtype == torch.float32 and model.config.num_hidden_layers == 1
     assert not os.path.exists(out + ".work")  # work files go once the draft is written
+    umask = os.umask(0)
+    os.umask(umask)      # the weights as readable as the other files (safetensors: 0600)
+    for name in ("model.safetensors", "config.json"):
+        assert os.stat(os.path.join(out, name)).st_mode & 0o777 == 0o666 & ~umask, name
 
 
 def test_distill_resumes_from_its_checkpoint(tiny_llama, prompts_parquet, tmp_path):
@@ -316,3 +320,124 @@ def test_bench_on_a_target_without_drafts(tiny_llama, prompts_parquet, tmp_path)
         ["hf", "plain", "ngram", "suffix", "suffix-adaptive"]
     result = CliRunner().invoke(bench, args + ["--methods", "spec"])
     assert result.exit_code == 2 and "need a draft model" in result.output
+
+
+def one_line_error(result, code: int, message: str):
+    """A user's mistake: exit `code`, `message` on one line, no traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert result.exit_code == code, result.output
+    assert message in result.output and "Traceback" not in result.output, result.output
+
+
+@pytest.fixture
+def bad_inputs(tmp_path, model_factory):
+    """Paths a user may get wrong: a text file given as Parquet, a file with an empty prompt,
+    a draft of another vocabulary, a --json whose directory does not exist."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a table")
+    empty = tmp_path / "empty.parquet"
+    pl.DataFrame({"prompt": ["def f():\n", ""]}).write_parquet(empty)
+    return {"notes": str(notes), "empty": str(empty),
+            "other_vocab": model_factory("llama", vocab_size=600, num_layers=1, hidden_size=32,
+                                         num_heads=2, num_kv_heads=1, seed=2),
+            "no_dir_json": str(tmp_path / "missing" / "x.json"), "nodir": str(tmp_path / "nodir")}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--draft", "{nodir}"], "has no config.json"),
+    (["--target", "{nodir}"], "has no config.json"),
+    (["--draft", "{other_vocab}"], "has vocabulary size 600"),
+    (["--k", "-1"], "Invalid value for '--k'"),
+    (["--temperature", "-1"], "Invalid value for '--temperature'"),
+    (["--temperature", "nan"], "not a finite number"),
+    (["--max-tokens", "0"], "Invalid value for '--max-tokens'"),
+    (["--num-prompts", "0"], "Invalid value for '--num-prompts'"),
+    (["--data", "{notes}"], "not a readable Parquet file"),
+    (["--data", "{empty}"], "prompt 1 is empty"),
+    (["--domain", "nosuch"], "no prompts of domain 'nosuch'"),
+    (["--json", "{no_dir_json}"], "cannot write"),
+])
+def test_evaluate_user_errors_exit_2(tiny_llama, tiny_draft, prompts_parquet, bad_inputs,
+                                     args, message):
+    """A command that cannot run exits 2 (a failed gate exits 1), one line, before any model
+    runs: the --json path too, which failed only after the whole evaluation."""
+    base = {"--target": tiny_llama, "--draft": tiny_draft, "--data": prompts_parquet,
+            "--max-tokens": "4", "--backend": "transformers"}
+    given = dict(zip(args[::2], (a.format(**bad_inputs) for a in args[1::2])))
+    result = CliRunner().invoke(evaluate, [a for kv in {**base, **given}.items() for a in kv])
+    one_line_error(result, 2, message)
+    assert "alpha" not in result.output     # nothing was evaluated
+
+
+def test_evaluate_without_drafts_reports_no_acceptance_rate(tiny_llama, tiny_draft,
+                                                            prompts_parquet, tmp_path):
+    """k = 0 drafts nothing: α is n/a (null), as the rest of the project says it, not 0;
+    a gate cannot pass on it."""
+    report = tmp_path / "alpha.json"
+    args = ["--target", tiny_llama, "--draft", tiny_draft, "--data", prompts_parquet,
+            "--max-tokens", "4", "--backend", "transformers", "--k", "0"]
+    result = CliRunner().invoke(evaluate, args + ["--json", str(report)])
+    assert result.exit_code == 0, result.output
+    assert "n/a" in result.output
+    assert json.loads(report.read_text())["overall"]["acceptance_rate"] is None
+    gate = CliRunner().invoke(evaluate, args + ["--min-acceptance", "0.5"])
+    assert gate.exit_code == 1 and "nothing was drafted" in gate.output
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["--steps", "0"], 2, "Invalid value for '--steps'"),
+    (["--steps", "-1"], 2, "Invalid value for '--steps'"),      # it never stopped
+    (["--time-budget", "0"], 2, "Invalid value for '--time-budget'"),
+    (["--batch-size", "0"], 2, "Invalid value for '--batch-size'"),
+    (["--gen-tokens", "0"], 2, "Invalid value for '--gen-tokens'"),
+    (["--lr", "-1"], 2, "Invalid value for '--lr'"),
+    (["--num-prompts", "0"], 2, "Invalid value for '--num-prompts'"),
+    (["--domain", "nosuch"], 1, "no prompts of domain 'nosuch'"),
+    (["--data", "{empty}"], 1, "prompt 1 is empty"),
+    (["--data", "{notes}"], 1, "not a readable Parquet file"),
+    (["--target", "{nodir}"], 1, "has no config.json"),
+    (["--init", "{other_vocab}"], 1, "has vocabulary size 600"),
+    (["-o", "{notes}/draft"], 1, "cannot write"),
+])
+def test_distill_user_errors_are_one_line(tiny_llama, prompts_parquet, bad_inputs, tmp_path,
+                                          args, code, message):
+    """Bad options and inputs fail before the target generates (no Hugging Face Hub for a
+    missing target, no torch error for an empty prompt list)."""
+    base = {"--target": tiny_llama, "-o": str(tmp_path / "draft"), "--data": prompts_parquet,
+            "--eval-data": prompts_parquet, "--steps": "1", "--num-prompts": "2",
+            "--gen-tokens": "2", "--batch-size": "2", "--eval-prompts": "2"}
+    given = dict(zip(args[::2], (a.format(**bad_inputs) for a in args[1::2])))
+    result = CliRunner().invoke(distill, [a for kv in {**base, **given}.items() for a in kv])
+    one_line_error(result, code, message)
+    assert "huggingface.co" not in result.output
+    assert not os.path.exists(tmp_path / "draft.work")     # nothing was generated
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["--batch-sizes", "0"], 2, "Invalid value for '--batch-sizes'"),
+    (["--batch-sizes", "-2"], 2, "Invalid value for '--batch-sizes'"),
+    (["--batch-sizes", ""], 2, "give at least one value"),
+    (["--batch-sizes", "a"], 2, "Invalid value for '--batch-sizes'"),
+    (["--temperatures", "-1"], 2, "Invalid value for '--temperatures'"),
+    (["--temperatures", "nan"], 2, "not a finite number"),
+    (["--temperatures", ""], 2, "give at least one value"),  # it printed a bare header
+    (["--repeats", "0"], 2, "Invalid value for '--repeats'"),
+    (["--max-tokens", "0"], 2, "Invalid value for '--max-tokens'"),
+    (["--domain", "nosuch"], 1, "no prompts of domain 'nosuch'"),  # it printed 0.0 tok/s
+    (["--data", "{notes}"], 1, "not a readable Parquet file"),
+    (["--draft", "{other_vocab}"], 1, "has vocabulary size 600"),
+    (["--target", "{nodir}"], 1, "has no config.json"),
+    (["--json", "{no_dir_json}"], 1, "cannot write"),
+])
+def test_bench_user_errors_are_one_line(tiny_llama, prompts_parquet, bad_inputs, args, code,
+                                        message):
+    """Bad options and inputs fail before any model loads or runs."""
+    from batchspec.tools.bench import bench
+    base = {"--target": tiny_llama, "--data": prompts_parquet, "--max-tokens": "2",
+            "--methods": "plain", "--batch-sizes": "1", "--temperatures": "0",
+            "--num-prompts": "1", "--min-batches": "1"}
+    given = dict(zip(args[::2], (a.format(**bad_inputs) for a in args[1::2])))
+    result = CliRunner().invoke(bench, [a for kv in {**base, **given}.items() for a in kv])
+    one_line_error(result, code, message)
+    assert "tok/s" not in result.output and "huggingface.co" not in result.output

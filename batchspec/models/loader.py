@@ -60,6 +60,11 @@ def _config_path(path: str) -> str:
     return cfg_path
 
 
+def config_json(path: str) -> dict:
+    """The model directory's config.json as a dict, or an error naming what is wrong."""
+    return _read_json(_config_path(path))
+
+
 def read_config(path: str) -> ModelConfig:
     cfg_path = _config_path(path)
     raw = _read_json(cfg_path)

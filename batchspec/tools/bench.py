@@ -40,7 +40,8 @@ import click
 
 from batchspec.config import draft_vocab_for
 from batchspec.contract import DEFAULT_NUM_SPECULATIVE_TOKENS
-from batchspec.tools.evaluate import load_prompts
+from batchspec.jobs.commands import clear_errors
+from batchspec.tools.evaluate import Finite, check_writable, load_prompts
 
 METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive",
            "spec-routed", "ngram", "suffix", "suffix-adaptive")
@@ -70,8 +71,15 @@ def templated_prompts(num: int) -> list[dict]:
     return rows
 
 
-def _csv(kind):
-    return lambda ctx, param, value: [kind(v) for v in value.split(",") if v] if value else []
+def _csv(kind: click.ParamType, required: bool = False):
+    """A callback reading comma-separated values of a click type; required: at least one
+    (an empty list ran nothing and printed a bare header)."""
+    def parse(ctx, param, value):
+        values = [kind(v, param, ctx) for v in (value or "").split(",") if v.strip()]
+        if required and not values:
+            raise click.BadParameter("give at least one value", ctx, param)
+        return values
+    return parse
 
 
 def run_hf(model, prompt_ids, *, batch_size, temperature, max_tokens, eos_id, seed):
@@ -302,16 +310,20 @@ def print_table(rows):
               help="Each batch size's cell runs at least this many full batches: "
               "max(--num-prompts, N x batch size) prompts. A job refills its batch as rows "
               "finish; a run of one or two batches is mostly its start and its drain.")
-@click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--batch-sizes", default="1,32", show_default=True, callback=_csv(int))
-@click.option("--temperatures", default="0,0.8", show_default=True, callback=_csv(float))
-@click.option("--methods", callback=_csv(str), help=f"Comma-separated, of {','.join(METHODS)} "
-              f"[all; with --target but no --draft: hf, plain and the lookup drafts].")
-@click.option("--k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, show_default=True,
-              help="Draft tokens per round.")
-@click.option("--confidence-threshold", "threshold", type=float, default=0.0,
-              show_default=True, help="batchspec drafts stop below this draft probability.")
-@click.option("--repeats", type=int, default=1, show_default=True,
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--batch-sizes", default="1,32", show_default=True,
+              callback=_csv(click.IntRange(min=1), required=True))
+@click.option("--temperatures", default="0,0.8", show_default=True,
+              callback=_csv(Finite(min=0), required=True))
+@click.option("--methods", callback=_csv(click.STRING), help=f"Comma-separated, of "
+              f"{','.join(METHODS)} [all; with --target but no --draft: hf, plain and the "
+              f"lookup drafts].")
+@click.option("--k", type=click.IntRange(min=0), default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+              show_default=True, help="Draft tokens per round.")
+@click.option("--confidence-threshold", "threshold", type=click.FloatRange(0, 1, max_open=True),
+              default=0.0, show_default=True,
+              help="batchspec drafts stop below this draft probability.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs per cell, the methods taking turns; the fastest is reported, and "
               "with 2 or more the median of each round's ratio to each baseline (paired).")
 @click.option("--turns", type=click.Choice(["steps", "runs"]), default="steps",
@@ -320,8 +332,8 @@ def print_table(rows):
 @click.option("--slice-ms", type=click.FloatRange(min=0), default=SLICE_S * 1000,
               show_default=True, help="With --turns steps: how long each engine steps in a "
               "turn (at least one step; 0: one step a turn).")
-@click.option("--threads", type=int, help="torch threads for every method (default: as "
-              "the engine picks for this target).")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads for every method "
+              "(default: as the engine picks for this target).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
               show_default=True, help="For every method alike; auto: as the engine runs the "
               "target on this CPU.")
@@ -330,6 +342,7 @@ def print_table(rows):
               "does (by default runs after the first read their full blocks from the cache).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@clear_errors
 def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_prompts,
           min_batches, max_tokens, batch_sizes, temperatures, methods, k, threshold, repeats,
           turns, slice_ms, threads, dtype, fresh_prompts, seed, json_path):
@@ -352,6 +365,12 @@ def bench(target, draft, draft_code, draft_docs, data, domain, workload, num_pro
     if not models["draft"] and (needs := [m for m in methods
                                           if m.startswith("spec") or m == "hf-assisted"]):
         raise click.BadParameter(f"methods {needs} need a draft model: give --draft")
+    # Fail before any model loads or runs: paths (transformers would ask the Hugging Face
+    # Hub for a missing one), vocabularies, where --json goes, the prompts.
+    hfref.check_vocabularies(models["target"], {p for name, p in models.items()
+                                                if name != "target" and p})
+    if json_path:
+        check_writable(json_path)
     def cell_size(b: int) -> int:   # prompts a cell of batch size b runs
         return max(num_prompts, min_batches * b)
     most = max(cell_size(b) for b in batch_sizes)

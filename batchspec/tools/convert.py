@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 
 import click
+
+from batchspec.jobs.commands import clear_errors
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -37,6 +40,9 @@ def convert_gguf(gguf_file: str, out_dir: str, dtype: str = "float32") -> str:
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name,
                                                      dtype=getattr(torch, dtype))
+    except struct.error:   # a file cut short inside its header (metadata, tensor index)
+        raise ValueError(f"{gguf_file!r} could not be read as a GGUF model: it ends inside "
+                         f"its header (a truncated download?)") from None
     except (ValueError, KeyError, OSError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{gguf_file!r} could not be read as a GGUF model: {first}") from None
@@ -50,6 +56,8 @@ def save_dequantized(model, tokenizer, out_dir: str) -> None:
     state dict and the config are written directly, without the quantization entry; a tied
     output head is not stored twice."""
     from safetensors.torch import save_file
+
+    from batchspec.tools.hfref import umask_mode
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -58,7 +66,9 @@ def save_dequantized(model, tokenizer, out_dir: str) -> None:
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(state, weights, metadata={"format": "pt"})
+    umask_mode(weights)
     config.save_pretrained(out_dir)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out_dir)
@@ -71,6 +81,7 @@ def save_dequantized(model, tokenizer, out_dir: str) -> None:
               help="New directory for the Hugging Face model.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
               help="Floating-point type of the saved weights.")
+@clear_errors
 def convert(gguf_file, out_dir, dtype):
     """Convert a GGUF checkpoint into a Hugging Face directory (config, safetensors,
     tokenizer, chat template) that --model / --draft accept."""

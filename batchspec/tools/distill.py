@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from batchspec.tools.evaluate import evaluate_pair, load_prompts
+from batchspec.jobs.commands import clear_errors
+from batchspec.tools.evaluate import Finite, evaluate_pair, load_prompts
 
 if TYPE_CHECKING:
     import torch
@@ -75,23 +76,33 @@ def distill_draft(target: str, out_dir: str, *, data: str | None = None,
 
     from batchspec.tools import hfref
     from batchspec.tools.training import load_llama, new_llama, save_hf, train
+    if not (steps or seconds):
+        raise ValueError("give a step or a time budget")
+    # What can fail does so before the target generates: paths, vocabularies, prompts.
+    hfref.check_vocabularies(target, [init] if init else [])
+    prompts = load_prompts(data, domain, num_prompts, split="train", seed=seed)
+    held_out = load_prompts(eval_data, domain, eval_prompts, split="heldout",
+                            seed=seed + 1) if eval_prompts else []
     work_dir = work_dir or out_dir.rstrip("/") + ".work"
-    os.makedirs(work_dir, exist_ok=True)
+    try:
+        os.makedirs(work_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot write {out_dir}: {e.strerror} ({work_dir})") from None
     tok = hfref.load_tokenizer(target)
     target_model = hfref.load_causal_lm(target)
+    draft_model = load_llama(init) if init else new_llama(tok, **(size or DRAFT_SIZE), seed=seed)
+    if draft_model.config.vocab_size != target_model.config.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft_model.config.vocab_size} tokens) "
+                         f"differs from the target's ({target_model.config.vocab_size})")
 
     seq_path = os.path.join(work_dir, "sequences.pt")
     if os.path.exists(seq_path):
         seqs = torch.load(seq_path, weights_only=True)
     else:
-        prompts = load_prompts(data, domain, num_prompts, split="train", seed=seed)
         ids, conts = make_sequences(target_model, tok, prompts, max_tokens=gen_tokens, seed=seed)
         seqs = {"prompts": ids, "continuations": conts}
         torch.save(seqs, seq_path)
 
-    draft_model = load_llama(init) if init else new_llama(tok, **(size or DRAFT_SIZE), seed=seed)
-    if draft_model.config.vocab_size != target_model.config.vocab_size:
-        raise click.UsageError("the draft's vocabulary differs from the target's")
     state = train(
         draft_model,
         lambda step: kl_loss(target_model, draft_model, seqs["prompts"], seqs["continuations"],
@@ -99,13 +110,15 @@ def distill_draft(target: str, out_dir: str, *, data: str | None = None,
         steps=steps, seconds=seconds, lr=lr or (1e-3 if init else 3e-3),
         ckpt_path=os.path.join(work_dir, "checkpoint.pt"), desc="distill")
     save_hf(draft_model, tok, out_dir)
+    for name in os.listdir(out_dir):
+        if name.endswith(".safetensors"):
+            hfref.umask_mode(os.path.join(out_dir, name))
 
     report = {"target": target, "init": init, "domain": domain, "data": data,
               "num_sequences": len(seqs["prompts"]), "steps": state["step"],
               "train_seconds": round(state["elapsed"], 1),
               "final_kl": round(sum(state["losses"][-20:]) / max(1, len(state["losses"][-20:])), 4)}
-    if eval_prompts:
-        held_out = load_prompts(eval_data, domain, eval_prompts, split="heldout", seed=seed + 1)
+    if held_out:
         for name, path in (("before", init), ("after", out_dir)):
             if path:
                 res = evaluate_pair(target, path, held_out, k=k, seed=seed)
@@ -127,20 +140,23 @@ def distill_draft(target: str, out_dir: str, *, data: str | None = None,
 @click.option("--domain", help="Only prompts of this domain.")
 @click.option("--init", type=click.Path(exists=True, file_okay=False),
               help="Start from this draft (e.g. the general draft for a domain draft).")
-@click.option("--steps", type=int, help="Stop after this many optimizer steps.")
-@click.option("--time-budget", "seconds", type=float, help="Stop after this many seconds "
-              "of training (default 300 when --steps is not given).")
-@click.option("--num-prompts", type=int, default=1024, show_default=True)
-@click.option("--gen-tokens", type=int, default=96, show_default=True,
+@click.option("--steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
+@click.option("--time-budget", "seconds", type=Finite(min=0, min_open=True),
+              help="Stop after this many seconds of training (default 300 when --steps is "
+              "not given).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--gen-tokens", type=click.IntRange(min=1), default=96, show_default=True,
               help="Target tokens generated per prompt.")
-@click.option("--batch-size", type=int, default=16, show_default=True)
-@click.option("--lr", type=float, help="Peak learning rate (default 3e-3, 1e-3 with --init).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--lr", type=Finite(min=0, min_open=True),
+              help="Peak learning rate (default 3e-3, 1e-3 with --init).")
 @click.option("--eval-data", type=click.Path(exists=True, dir_okay=False),
               help="Parquet of held-out prompts for the final α; default: the standard "
                    "library corpus (held-out split).")
-@click.option("--eval-prompts", type=int, default=64, show_default=True,
+@click.option("--eval-prompts", type=click.IntRange(min=0), default=64, show_default=True,
               help="Held-out prompts for the final α (0: skip).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@clear_errors
 def distill(target, out_dir, data, domain, init, steps, seconds, num_prompts, gen_tokens,
             batch_size, lr, eval_data, eval_prompts, seed):
     """Distil a draft model for TARGET from the target's own outputs."""

@@ -9,17 +9,48 @@ left to right until the first rejection, then the target's token is taken, as in
 so at T=0 the result equals what the engine measures, from one forward pass of each model."""
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def model_config(path: str) -> dict:
+    """config.json of the model directory `path`, read before transformers sees the path:
+    given a directory that does not exist, transformers looks the name up on the Hugging
+    Face Hub (nothing is downloaded here)."""
+    from batchspec.models.loader import config_json
+    return config_json(path)
+
+
+def check_vocabularies(target: str, drafts) -> None:
+    """Fail before any model is loaded where a draft's vocabulary size is not the target's."""
+    want = model_config(target).get("vocab_size")
+    for draft in drafts:
+        got = model_config(draft).get("vocab_size")
+        if got != want:
+            raise ValueError(f"draft {draft!r} has vocabulary size {got}, target {target!r} "
+                             f"has {want}: a draft must share the target's tokenizer and "
+                             f"vocabulary")
 
 
 def load_causal_lm(path: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model_config(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    model_config(path)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def umask_mode(path: str) -> None:
+    """Give a file the mode open() gives (0666 less the umask): safetensors writes its file
+    0600, which workers running as another user cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def padded(rows: list[list[int]], pad_id: int, left: bool):

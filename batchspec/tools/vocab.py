@@ -17,6 +17,8 @@ def texts_of(inputs: list[str], limit: int) -> Iterator[str]:
     OpenAI Batch files: jobs/shards.py's expand_inputs) and its outputs: the prompt, text
     and chat messages' contents, row group by row group (a damaged one is skipped, and
     said so); any other file is one text."""
+    import fsspec
+
     from batchspec.jobs import openai_batch
     from batchspec.jobs.shards import expand_inputs, iter_column
     try:
@@ -25,6 +27,10 @@ def texts_of(inputs: list[str], limit: int) -> Iterator[str]:
         raise click.ClickException(str(e)) from None
     n = 0
     for path in files:
+        fs, p = fsspec.core.url_to_fs(path)
+        if fs.isdir(p):   # a folder a glob or folder matched, named like a file (x.parquet/)
+            click.echo(f"{path}: a directory, skipped", err=True)
+            continue
         if path.endswith(".parquet") or openai_batch.is_openai_batch(path):
             def skipped(group, e, path=path):
                 click.echo(f"{path}: row group {group} skipped, unreadable ({e})", err=True)
