@@ -184,7 +184,7 @@ class JobSpec:
         built in a worker: the directory beat ran in), else the working directory."""
         values = load_yaml(config, now) if config else {}
         if base_dir is not None:
-            values = _resolved(values, base_dir)
+            values = resolve_paths(values, base_dir)
         for key, value in options.items():
             if value is None or value == ():
                 continue
@@ -192,7 +192,7 @@ class JobSpec:
         return cls.from_dict(values)
 
 
-def _resolved(values: dict, base_dir: str) -> dict:
+def resolve_paths(values: dict, base_dir: str) -> dict:
     """A job YAML's values with its relative local paths (inputs, output, suffix_seed)
     joined to base_dir."""
     def join(p):

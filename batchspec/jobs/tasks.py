@@ -41,7 +41,7 @@ from batchspec.jobs.runner import (
     start_job,
 )
 from batchspec.jobs.shards import Shard
-from batchspec.jobs.spec import JobSpec, load_yaml, new_job_id
+from batchspec.jobs.spec import JobSpec, load_yaml, new_job_id, resolve_paths
 from batchspec.jobs.states import FINAL, SHARD_ENDED
 from batchspec.jobs.store import JobStore, now_iso
 from batchspec.jobs.summary import finalize
@@ -139,9 +139,14 @@ def finalize_job(job_id: str, store: JobStore | None = None) -> dict:
     store.set_final(job_id, state=doc["state"], finished_at=finished, summary=doc["summary"],
                     failed_shards=failed, tokens_generated=doc["summary"]["tokens_generated"],
                     **doc["counts"])
-    store.expire(job_id, int(float(os.environ.get("BATCHSPEC_JOB_TTL_DAYS", 30)) * 86400))
+    store.expire(job_id, job_ttl_s())
     log.info("job %s %s", job_id, doc["state"])
     return doc
+
+
+def job_ttl_s() -> int:
+    """How long an ended job's record stays in Redis (BATCHSPEC_JOB_TTL_DAYS, default 30)."""
+    return int(float(os.environ.get("BATCHSPEC_JOB_TTL_DAYS", 30)) * 86400)
 
 
 def _end(job_id: str, shard_id: str, outcome: str, ok: int = 0, bad: int = 0,
@@ -506,16 +511,14 @@ def submit_scheduled(config_path: str, base_dir: str | None = None) -> str:
     except Exception as e:
         log.exception("scheduled job from %s could not be submitted", config_path)
         values = {}
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):      # (the YAML itself may be what broke)
             values = load_yaml(config_path)
+            values = resolve_paths(values, base_dir) if base_dir is not None else values
         name = values.get("name") or os.path.splitext(os.path.basename(config_path))[0]
-        output = str(values.get("output") or "")
-        if output and base_dir is not None and "://" not in output:
-            output = os.path.join(base_dir, output)
         job_id = new_job_id(str(name))
         worker_store().create_failed(
-            job_id, output, f"could not submit {config_path}: {type(e).__name__}: {e}",
-            int(float(os.environ.get("BATCHSPEC_JOB_TTL_DAYS", 30)) * 86400))
+            job_id, str(values.get("output") or ""),
+            f"could not submit {config_path}: {type(e).__name__}: {e}", job_ttl_s())
         return job_id
     log.info("scheduled job %s from %s submitted", job_id, config_path)
     return job_id
