@@ -205,3 +205,33 @@ def test_lost_task_messages_are_sent_again(start_worker, redis_server, tiny_llam
     wait_until(lambda: job_state(store, job_id) in FINAL, 120, "the job to end", 0.2)
     assert store.get(job_id)["state"] == "completed"
     assert_each_row_once(out, [f"m{i}" for i in range(4)])
+
+
+def test_a_firing_into_a_running_jobs_directory_is_refused(redis_server, tiny_llama,
+                                                          tmp_path):
+    """A beat firing whose output directory holds a job still running (last night's, say,
+    where the YAML's output has no date in it) is not submitted: two jobs in one directory
+    would run its shards twice over. It is recorded as a failed job naming the running one,
+    as `submit` refuses it, and nothing is queued or written."""
+    from batchspec.jobs.celery_app import use_broker
+    from batchspec.jobs.shards import Shard
+    from batchspec.jobs.tasks import submit_scheduled
+    url = redis_server.rsplit("/", 1)[0] + "/8"  # own database: nothing else queues here
+    use_broker(url)
+    store = JobStore(url)
+    store.r.flushdb()
+    write_rows(tmp_path / "in.parquet", ["a", "b"], [3, 3])
+    out = tmp_path / "out"
+    store.create("nightly-last", {"output": str(out)},
+                 [Shard(0, str(tmp_path / "in.parquet"), "in", 0, 2)])
+    (tmp_path / "nightly.yaml").write_text(
+        f"name: nightly\ninputs: [in.parquet]\noutput: out\nmodel: {tiny_llama}\n")
+    job_id = submit_scheduled(str(tmp_path / "nightly.yaml"), str(tmp_path))
+    job = store.get(job_id)
+    assert job["state"] == "failed" and job["output"] == str(out)
+    assert f"job nightly-last is still running in {out}" in job["error"]
+    assert not out.exists()
+    # once that job has ended, the next firing is submitted
+    store.set_final("nightly-last", state="completed")
+    job_id = submit_scheduled(str(tmp_path / "nightly.yaml"), str(tmp_path))
+    assert store.get(job_id)["state"] == "queued"

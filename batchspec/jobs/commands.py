@@ -290,30 +290,33 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
     store = _store(ctx)               # Redis first: nothing is written if it is not there
     from batchspec.jobs.runner import plan_job
     from batchspec.jobs.summary import check_output, clear_output
-    from batchspec.jobs.tasks import submit_job
+    from batchspec.jobs.tasks import refuse_busy_output, submit_job
     spec = build_spec(config, **options)
     shards = plan_job(spec)
-    busy = [j for j in store.active_jobs() if store.job_field(j, "output") == spec.output]
-    if busy:      # two jobs in one directory would run its shards twice over
-        raise click.ClickException(
-            f"job {busy[0]} is still running in {spec.output}: wait for it (batchspec status "
-            f"{busy[0]}), cancel it (batchspec cancel {busy[0]}), or use another -o")
+    refuse_busy_output(store, spec.output)      # (OutputBusy: one line, clear_errors)
     done = check_output(spec.to_dict(), shards, overwrite=overwrite)
     if done is not None:
         _already_complete(done)
         return
     if overwrite:
         clear_output(spec.output)
-    job_id = submit_job(spec, shards)
-    if not wait:
-        click.echo(job_id)
-        return
-    click.echo(f"submitted {job_id}", err=True)
+    from batchspec.jobs.spec import new_job_id
+    job_id = spec.job_id = spec.job_id or new_job_id(spec.name)
     try:
+        submit_job(spec, shards)
+        if not wait:
+            click.echo(job_id)
+            return
+        click.echo(f"submitted {job_id}", err=True)
         job = wait_for(store, job_id, progress=not quiet)
     except KeyboardInterrupt:
+        # Ctrl-C once the job is recorded (its shards' tasks being sent, or while waiting)
+        # stops this command, not the job: shards whose tasks were not sent yet are sent by
+        # the workers' periodic check
+        if store.job_field(job_id, "state") is None:
+            raise click.Abort() from None
         raise click.ClickException(
-            f"stopped waiting; job {job_id} goes on in the workers: follow it with "
+            f"interrupted; job {job_id} goes on in the workers: follow it with "
             f"batchspec status {job_id}, or stop it with batchspec cancel {job_id}") from None
     from batchspec.jobs.display import ending_of_record
     from batchspec.jobs.openai_batch import output_paths

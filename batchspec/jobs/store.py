@@ -219,6 +219,11 @@ class JobStore:
         """Jobs not yet final: what the periodic checks reconcile."""
         return sorted(self.r.smembers(PREFIX + "active"))
 
+    def running_in(self, output: str) -> str | None:
+        """An active job whose output directory is `output`, or None."""
+        return next((j for j in self.active_jobs() if self.job_field(j, "output") == output),
+                    None)
+
     def job_field(self, job_id: str, field: str) -> str | None:
         return self.r.hget(self._key(job_id), field)
 

@@ -484,6 +484,21 @@ def _release_stream(**_):
     STREAM.release()
 
 
+class OutputBusy(ValueError):
+    """A job is still running in the output directory a new one would write to."""
+
+
+def refuse_busy_output(store: JobStore, output: str) -> None:
+    """Raise OutputBusy when a job not yet final writes to `output`: two jobs in one
+    directory would run its shards twice over. `submit` asks before it clears or writes
+    anything; a beat firing asks before it submits (its refusal is a failed job's record)."""
+    busy = store.running_in(output)
+    if busy is not None:
+        raise OutputBusy(f"job {busy} is still running in {output}: wait for it (batchspec "
+                         f"status {busy}), cancel it (batchspec cancel {busy}), or write to "
+                         f"another output directory")
+
+
 def submit_job(spec: JobSpec, shards: list | None = None) -> str:
     """Store the job and enqueue one task per shard (`shards`: the job's plan, when the
     caller has made it). Returns the job id."""
@@ -507,7 +522,9 @@ def submit_scheduled(config_path: str, base_dir: str | None = None) -> str:
     so that `batchspec jobs` shows it: in the worker's log alone, a nightly job that never
     ran looked like one that was never due."""
     try:
-        job_id = submit_job(JobSpec.build(config=config_path, base_dir=base_dir))
+        spec = JobSpec.build(config=config_path, base_dir=base_dir)
+        refuse_busy_output(worker_store(), spec.output)
+        job_id = submit_job(spec)
     except Exception as e:
         log.exception("scheduled job from %s could not be submitted", config_path)
         values = {}
