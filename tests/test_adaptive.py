@@ -1127,3 +1127,29 @@ def test_what_a_step_costs_besides_the_forwards_buys_more_slots():
     loaded = policy.choose_lengths(rows, 0)
     assert 0 < sum(bare) < sum(loaded)
     assert policy._chosen[0] and policy._chosen[2] < 0.2    # predicted: the forwards alone
+
+
+def test_a_step_weighs_its_plans_under_one_mix_of_temperatures(tiny_llama):
+    """The policy keeps its measurements and lead per mix of temperatures of the rows that
+    may draft. A step asks which mix it runs under once (before scheduling) and weighs its
+    plans under the same: the plans' own rows used to give another mix whenever a row of
+    another temperature was still running its prompt, and the switch to that mix and back
+    dropped a try under way at every such step."""
+    llm = LLM(tiny_llama, drafts={"default": "suffix"}, device="cpu", min_acceptance=0.0,
+              adaptive_k=True, max_num_seqs=4)
+    engine, policy = llm.engine, llm.engine.policy
+    seen, real = [], policy._use_mix
+
+    def use_mix(mix, num_rows=1):
+        seen[-1].add(mix)
+        return real(mix, num_rows)
+    policy._use_mix = use_mix
+    prompts = ["def f(x): return x + x + x + x"] * 12
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=4 + i % 5, seed=i)
+              for i in range(len(prompts))]
+    llm.add_requests(prompts, params)
+    while engine.has_unfinished():
+        seen.append(set())
+        llm.step()
+    assert any(len(s) == 1 and len(next(iter(s))) == 2 for s in seen)   # mixed batches ran
+    assert all(len(s) <= 1 for s in seen), [s for s in seen if len(s) > 1]

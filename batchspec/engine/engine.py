@@ -84,6 +84,9 @@ class Engine:
             r.allocate_kv_cache(num_blocks, c.block_size)
         if c.draft_vocab is None:
             self._add_vocab_sources(runners)
+        # which proposers run a draft model, the vocabularies' too (the rest look their drafts up)
+        self.is_model = {name: isinstance(p, DraftModelProposer)
+                         for name, p in self.proposers.items()}
         self.policy = SpecPolicy(c, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
@@ -92,6 +95,7 @@ class Engine:
         # rows of the batch that may draft: (scheduler version, rows, any from lookups,
         # their mix of temperatures)
         self._drafting: tuple[int, list[Sequence], bool, tuple] = (-1, [], False, ())
+        self._step_mix: tuple | None = None   # the mix this step asked the policy about
         if c.adaptive_k and k > 0:
             self.policy.costs = self.measure_step_costs()
 
@@ -355,7 +359,7 @@ class Engine:
             any(s.seq.spec.draft in self.lookup_fed for s in rows)
         for s in rows:
             s.source = s.seq.spec.source
-        is_model = {name: isinstance(p, DraftModelProposer) for name, p in self.proposers.items()}
+        is_model = self.is_model
         # lookups first: they are cheap, and what they find bounds their rows
         for name, group in self._by_source(rows).items():
             alt = self.routes.get(name)
@@ -379,7 +383,7 @@ class Engine:
                 [(s.seq, s.source, s.max_drafts if is_model[s.source] else s.num_drafts,
                   is_model[s.source]) for s in rows], len(sampling) - len(rows),
                 [s.proposal.classes if s.proposal is not None else None for s in rows],
-                lookups)
+                lookups, self._step_mix)
             for s, n in zip(rows, lengths, strict=True):
                 s.max_drafts = n
                 if s.proposal is not None:
@@ -399,6 +403,7 @@ class Engine:
         scheduling, so that such a step reserves no draft slots and no source drafts
         (lookups neither): it costs what a plain engine's step does."""
         policy, running = self.policy, self.scheduler.running
+        self._step_mix = None
         if policy.costs is None:
             return False
         if self._drafting[0] != self.scheduler.version:   # the batch's rows changed
@@ -412,6 +417,7 @@ class Engine:
         if not seqs or not any(seq.num_uncomputed_tokens == 1 and policy.lookahead(seq) > 0
                                for seq in seqs):
             return False
+        self._step_mix = mix     # (the step weighs its plans, if it does, under it too)
         return policy.plain_step(seqs, len(running), lookups, mix)
 
     @staticmethod
@@ -489,7 +495,8 @@ class Engine:
                         self._judge_unused(seq, *s.unused, new)
                 if s.proposal is not None and s.proposal.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
-                self.policy.update_fallback(seq)
+                if s.num_drafts:   # (a round that drafted nothing leaves its window as is)
+                    self.policy.update_fallback(seq)
             new, reason = self._check_stop(seq, new)
             self.scheduler.commit(seq, s.num_new_tokens + m, new)
             num_tokens += len(new)

@@ -446,7 +446,7 @@ class SpecPolicy:
     def choose_lengths(self, rows: list[tuple[Sequence, str, int, bool]],
                        num_plain_rows: int,
                        classes: list[list[int] | None] | None = None,
-                       lookups: bool = False) -> list[int]:
+                       lookups: bool = False, mix: tuple | None = None) -> list[int]:
         """Draft lengths for this step's speculating rows, from slots admitted across all rows
         in order of survival probability (the product of the row's per-depth acceptance
         estimates up to the slot). Of the plans that admit 1, 2, ... slots, the best by
@@ -455,14 +455,14 @@ class SpecPolicy:
         step's, corrected by what plain steps have measured (0 slots: the plain step).
         rows: (seq, source, most drafts, source is a model), the most drafts of a lookup
         source being the drafts it has already found; classes: per row, the classes its
-        source gave those drafts, or None; lookups: as for plain_step. Rows that do not
+        source gave those drafts, or None; lookups, mix: as for plain_step. Rows that do not
         speculate count one token."""
         costs = self.costs
         self._chosen = None
         if costs is None:
             return [n for _, _, n, _ in rows]
         num_rows = len(rows) + num_plain_rows
-        if self.plain_step([seq for seq, _, _, _ in rows], num_rows, lookups):
+        if self.plain_step([seq for seq, _, _, _ in rows], num_rows, lookups, mix):
             return [0] * len(rows)
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
