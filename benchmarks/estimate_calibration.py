@@ -23,12 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from batchspec import SamplingParams  # noqa: E402
-from batchspec.config import default_dtype  # noqa: E402
-from batchspec.demo import demo_models  # noqa: E402
 from batchspec.spec import policy as policy_module  # noqa: E402
-from batchspec.tools import hfref  # noqa: E402
-from batchspec.tools.bench import _start_afresh, make_llm  # noqa: E402
-from batchspec.tools.evaluate import load_prompts  # noqa: E402
+from batchspec.tools.bench import _start_afresh, demo_workload, make_llm  # noqa: E402
 
 
 def every_slot(policy) -> None:
@@ -60,12 +56,7 @@ def main():
         ap.error(f"{a.method} has no adaptive policy: give a method ending in -adaptive")
     policy_module.REQUEST_DECAY, policy_module.MAX_POSITION_BAND = a.decay, a.max_band
     torch.set_num_threads(1)
-    models = demo_models()
-    dtype = default_dtype(models["target"], "cpu")
-    prompts = load_prompts(None, None, a.num_prompts, split="heldout", seed=0)
-    tok = hfref.load_tokenizer(models["target"])
-    ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
-    domains = [p["domain"] for p in prompts]
+    models, dtype, ids, domains = demo_workload(a.num_prompts)
     llm = make_llm(a.method, models, a.batch_size, 4, 0, 0.0, 1, dtype)
     policy = llm.engine.policy
     every_slot(policy)

@@ -210,6 +210,20 @@ def _engine_result(outs, wall):
                                  for o in outs)}
 
 
+def demo_workload(num_prompts: int, domain: str | None = None):
+    """What the scripts under benchmarks/ run on: the demo models, the dtype bench runs them
+    in on this CPU, and num_prompts held-out prompts (of one domain, or taking turns) as
+    token ids with their domains: (models, dtype, ids, domains)."""
+    from batchspec.config import default_dtype
+    from batchspec.demo import demo_models
+    from batchspec.tools import hfref
+    models = demo_models()
+    prompts = load_prompts(None, domain, num_prompts, split="heldout", seed=0)
+    tok = hfref.load_tokenizer(models["target"])
+    ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    return models, default_dtype(models["target"], "cpu"), ids, [p["domain"] for p in prompts]
+
+
 def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype, **engine):
     from batchspec import LLM
     domain_drafts = {"default": models["draft"], "code": models["draft-code"],
