@@ -158,3 +158,21 @@ def test_jobs_limit_and_a_bad_redis_port_are_one_line():
         r = CliRunner().invoke(cli, ["jobs", "--broker", url])
         assert r.exit_code == 1 and f"invalid Redis URL {url}" in r.stderr, r.output
         assert "Traceback" not in r.output
+
+
+def test_status_of_a_firing_that_was_never_submitted():
+    """A beat firing that could not be submitted is a failed record without rows: its status
+    says so and gives the reason, with no progress bar, counts or rates of nothing."""
+    job = {"job_id": "nightly-20261201-030000-def456", "state": "failed", "requests_total": 0,
+           "requests_completed": 0, "requests_failed": 0, "requests_in_progress": 0,
+           "shards_total": 0, "shards_completed": 0, "shards_failed": 0,
+           "shards_cancelled": 0, "tokens_generated": 0, "output": "/data/out",
+           "error": "could not submit jobs/nightly.yaml: FileNotFoundError: in/*.parquet "
+                    "matches no files",
+           "created_at": "2026-12-01T03:00:00.000+00:00",
+           "finished_at": "2026-12-01T03:00:00.000+00:00"}
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in
+            status_table(job, None, {}).splitlines()}
+    assert list(rows) == ["job", "state", "progress", "output", "error", "times"]
+    assert rows["progress"] == "- (never submitted: see the error)"
+    assert rows["error"].endswith("matches no files") and "100.0%" not in str(rows)
