@@ -177,25 +177,30 @@ def test_cpu_batch_composition_invariance(ops):
         assert a1[0] == acc[b] and o1[0].tolist() == out[b, :hi - lo + 1].tolist()
 
 
-@pytest.mark.parametrize("V", [7, 4096, 50257])
-def test_cpu_vectorised_draw_picks_the_generic_loops_tokens(ops, V, monkeypatch):
+@pytest.mark.parametrize("V,dtype", [(7, torch.float32), (4096, torch.float32),
+                                     (4096, torch.bfloat16), (4100, torch.bfloat16),
+                                     (50257, torch.float32)])
+def test_cpu_vectorised_draw_picks_the_generic_loops_tokens(ops, V, dtype, monkeypatch):
     """Plain draws (no drafts) at temperatures from peaked to flat, with and without
-    top-k/top-p: the host's vectorised bonus draw (kernels/verify_host.h) and the generic loop
-    (BATCHSPEC_VERIFY_HOST_DRAW=0) pick the reference's tokens."""
+    top-k/top-p, seeds and offsets past 32 bits among them: the host's vectorised bonus draw
+    (kernels/verify_host.h: on AVX-512, 16 Philox calls a vector and the candidates' indices
+    compressed) and the generic loop (BATCHSPEC_VERIFY_HOST_DRAW=0) pick the reference's
+    tokens, for fp32 and bf16 rows, with a tail past the last 64 tokens."""
     g = torch.Generator().manual_seed(V)
     B = 96
-    logits = torch.randn(B, V, generator=g) * torch.linspace(1, 15, B)[:, None]
+    logits = (torch.randn(B, V, generator=g) * torch.linspace(1, 15, B)[:, None]).to(dtype)
     logits[::5, ::3] = float("-inf")
     T = torch.tensor([0.05, 0.3, 0.8, 1.0, 1.7, 3.0]).repeat(B // 6)
     cu = torch.zeros(B + 1, dtype=torch.int32)
-    args = (logits, None, torch.zeros(0, dtype=torch.int32), cu, T, torch.arange(B) * 7919,
-            torch.arange(B))
-    for kw in ({}, dict(top_k=torch.full((B,), 40, dtype=torch.int32),
-                        top_p=torch.full((B,), 0.9))):
-        ref = rejection_sample(*args, backend="torch", **kw)[0]
-        for env in ("1", "0"):
-            monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", env)
-            assert torch.equal(rejection_sample(*args, backend="cpu", **kw)[0], ref), env
+    for seeds, offsets in ((torch.arange(B) * 7919, torch.arange(B)),
+                           (torch.arange(B) * 7919 + (3 << 40), torch.arange(B) + (5 << 33))):
+        args = (logits, None, torch.zeros(0, dtype=torch.int32), cu, T, seeds, offsets)
+        for kw in ({}, dict(top_k=torch.full((B,), 40, dtype=torch.int32),
+                            top_p=torch.full((B,), 0.9))):
+            ref = rejection_sample(*args, backend="torch", **kw)[0]
+            for env in ("1", "0"):
+                monkeypatch.setenv("BATCHSPEC_VERIFY_HOST_DRAW", env)
+                assert torch.equal(rejection_sample(*args, backend="cpu", **kw)[0], ref), env
 
 
 @pytest.mark.parametrize("V", [17, 300, 4096])
