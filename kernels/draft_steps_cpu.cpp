@@ -165,8 +165,12 @@ std::tuple<Tensor, Tensor> draft_steps(
   const Tensor &embed = weights[0], &cos = weights[1], &sin = weights[2],
                &final_norm = weights[3];
   const Tensor head_rows = trimmed ? weights[GLOBALS + head_n - 1] : Tensor();
-  TORCH_CHECK(!trimmed || (head_rows.scalar_type() == at::kLong && head_rows.dim() == 1),
-              "draft_steps: a draft vocabulary's ids are int64 [N]");
+  TORCH_CHECK(!trimmed || (head_rows.scalar_type() == at::kLong && head_rows.dim() == 1 &&
+                           head_rows.is_contiguous()),
+              "draft_steps: a draft vocabulary's ids are contiguous int64 [N]");
+  // (draft_vocab.load sorts them; a caller's unsorted ids take the full rows' argmax)
+  const int64_t* vocab_ids = trimmed ? head_rows.data_ptr<int64_t>() : nullptr;
+  const bool rows_sorted = trimmed && std::is_sorted(vocab_ids, vocab_ids + head_rows.numel());
   const int64_t qs = Hq * D, kvs = Hkv * D, W = block_tables.size(1);
   const int64_t* tab = block_tables.data_ptr<int64_t>();
   const int64_t* nsteps = steps.data_ptr<int64_t>();
@@ -259,10 +263,23 @@ std::tuple<Tensor, Tensor> draft_steps(
     } else {
       logits = linear(x, weights[GLOBALS], H, N, true);
     }
-    if (trimmed)   // as LlamaForCausalLM._full_vocab: -inf where the draft cannot propose
-      logits = at::full({M, V}, -std::numeric_limits<float>::infinity(), logits.options())
-                   .index_copy_(1, head_rows, logits);
-    Tensor next = op.argmax.call(logits);
+    Tensor next;
+    if (trimmed && !sampling && rows_sorted) {
+      // greedy rows of a draft vocabulary: the argmax of the scored logits, mapped to its id.
+      // The full row's argmax (-inf elsewhere) is that id: the first maximum (or NaN) in the
+      // ids' order is the first in the vocabulary's, as the ids ascend; a row of -inf alone
+      // gives 0 there. Building the full rows took a tenth of a round at one row.
+      next = op.argmax.call(logits);
+      int64_t* nx = next.data_ptr<int64_t>();
+      const float* lg = logits.data_ptr<float>();
+      constexpr float none = -std::numeric_limits<float>::infinity();
+      for (int64_t a = 0; a < M; ++a) nx[a] = lg[a * N + nx[a]] == none ? 0 : vocab_ids[nx[a]];
+    } else {
+      if (trimmed)   // as LlamaForCausalLM._full_vocab: -inf where the draft cannot propose
+        logits = at::full({M, V}, -std::numeric_limits<float>::infinity(), logits.options())
+                     .index_copy_(1, head_rows, logits);
+      next = op.argmax.call(logits);
+    }
     if (sampling) {
       // DraftModelProposer.propose's draw, row by row into the row's q: q = draft_probs
       // (with a filter, the row filter's probabilities; else draft_draw.h's softmax_row, as

@@ -70,7 +70,7 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     acceptance counts are the loop's; BATCHSPEC_CPU_DRAFT_STEPS=python turns it off. With
     the host row passes off (BATCHSPEC_VERIFY_HOST_DRAW=0: q by the scalar loop) the two
     agree too. A draft vocabulary (-vocab: its output layer scores part of the vocabulary,
-    draft_vocab.json) changes none of this."""
+    draft_vocab.json) changes none of this, in calls of greedy rows alone too."""
     import shutil
 
     from batchspec.engine.runner import ModelRunner
@@ -105,7 +105,7 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
                "fp32-int8": ("avx2", "onednn"), "fp32-vocab": ("avx2",),
                "fp32-int8-vocab": ("avx2", "onednn")}.get(head, ("amx", "avx512_bf16", "onednn"))
 
-    def propose(cpp: bool):
+    def propose(cpp: bool, temps=temps):
         runner = ModelRunner(draft, "cpu", dtype, head_rows=rows)
         if runner.model.weight_layout not in layouts:
             pytest.skip(f"no packed {dtype} weights on this CPU (the C++ draft steps need them)")
@@ -136,6 +136,10 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     (want, want_n, want_kv), (got, got_n, got_kv) = propose(False), propose(True)
     assert got_n == want_n
     assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+    # a call of greedy rows alone (with a draft vocabulary, the argmax over its scored
+    # logits mapped to ids, not over full rows)
+    greedy_want, greedy_got = propose(False, [0.0] * 5)[0], propose(True, [0.0] * 5)[0]
+    assert [o.token_ids for o in greedy_got] == [w.token_ids for w in greedy_want]
     for w, o, t, n in zip(want, got, temps, drafts):
         assert o.token_ids == w.token_ids and len(o.token_ids) == n
         if t > 0:
