@@ -208,6 +208,13 @@ def prompt_cache_hit_rate(cached_prompt_tokens, prompt_tokens):
     return ratio(cached_prompt_tokens, prompt_tokens)
 
 
+def throughput(amount, seconds):
+    """A job's rate (tokens/s, requests/s): what its shards that ran produced over its wall
+    seconds. Shards found done count in its rows and tokens, not here: a resume that ran one
+    shard of six is not six times as fast. None without time."""
+    return ratio(amount, seconds)
+
+
 def expected_tokens_per_pass(p: float, k):
     """(1 - p^(k+1)) / (1 - p): tokens per target pass with windows of k and i.i.d. p
     (k an int or a Polars expression)."""

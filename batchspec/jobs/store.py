@@ -27,6 +27,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from batchspec.contract import throughput
 from batchspec.jobs.shards import Shard
 
 PREFIX = "batchspec:"
@@ -360,8 +361,8 @@ class JobStore:
             end = raw.get("finished_at")
             end_t = dt.datetime.fromisoformat(end) if end else dt.datetime.now(dt.UTC)
             elapsed = max((end_t - dt.datetime.fromisoformat(start)).total_seconds(), 1e-9)
-            job["tokens_per_s"] = tokens / elapsed
-            job["requests_per_s"] = job["requests_run"] / elapsed
+            job["tokens_per_s"] = throughput(tokens, elapsed)
+            job["requests_per_s"] = throughput(job["requests_run"], elapsed)
         for k in ("summary", "failed_shards"):
             if k in job:
                 job[k] = json.loads(job[k])

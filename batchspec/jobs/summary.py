@@ -10,7 +10,7 @@ import json
 
 import pyarrow.parquet as pq
 
-from batchspec.contract import add_totals, summarize, totals
+from batchspec.contract import add_totals, summarize, throughput, totals
 from batchspec.jobs.openai_batch import output_paths, write_openai_files
 from batchspec.jobs.outputs import KINDS, output_fs, shard_counts, shard_path, write_atomic
 from batchspec.jobs.shards import Shard
@@ -67,7 +67,7 @@ def finalize(spec_dict: dict, shards: list[Shard], *, job_id: str, timings: dict
     summary = acceptance_summary(fs, root, shards)
     wall = timings.get("wall_s")
     tokens = summary["tokens_generated"] if tokens_run is None else tokens_run
-    summary["tokens_per_s"] = tokens / wall if wall else None
+    summary["tokens_per_s"] = throughput(tokens, wall)
     state = final_state(counts, cancelled)
     if spec_dict.get("output_format") == "openai":
         extra = (extra or {}) | {"openai_files": write_openai_files(
