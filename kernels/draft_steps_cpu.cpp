@@ -168,9 +168,11 @@ std::tuple<Tensor, Tensor> draft_steps(
   TORCH_CHECK(!trimmed || (head_rows.scalar_type() == at::kLong && head_rows.dim() == 1 &&
                            head_rows.is_contiguous()),
               "draft_steps: a draft vocabulary's ids are contiguous int64 [N]");
-  // (draft_vocab.load sorts them; a caller's unsorted ids take the full rows' argmax)
+  // ascending, as draft_vocab.load gives them: a greedy row's token is then the scored
+  // logits' argmax mapped to its id (below)
   const int64_t* vocab_ids = trimmed ? head_rows.data_ptr<int64_t>() : nullptr;
-  const bool rows_sorted = trimmed && std::is_sorted(vocab_ids, vocab_ids + head_rows.numel());
+  TORCH_CHECK(!trimmed || std::is_sorted(vocab_ids, vocab_ids + head_rows.numel()),
+              "draft_steps: a draft vocabulary's ids must ascend");
   const int64_t qs = Hq * D, kvs = Hkv * D, W = block_tables.size(1);
   const int64_t* tab = block_tables.data_ptr<int64_t>();
   const int64_t* nsteps = steps.data_ptr<int64_t>();
@@ -264,7 +266,7 @@ std::tuple<Tensor, Tensor> draft_steps(
       logits = linear(x, weights[GLOBALS], H, N, true);
     }
     Tensor next;
-    if (trimmed && !sampling && rows_sorted) {
+    if (trimmed && !sampling) {
       // greedy rows of a draft vocabulary: the argmax of the scored logits, mapped to its id.
       // The full row's argmax (-inf elsewhere) is that id: the first maximum (or NaN) in the
       // ids' order is the first in the vocabulary's, as the ids ascend; a row of -inf alone

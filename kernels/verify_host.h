@@ -2,7 +2,7 @@
 // build only. The same winner as the generic loop, in three passes, the middle one a loop
 // the compiler vectorises, or on AVX-512 explicit vectors (16 Philox calls a vector, and the
 // candidates' indices compressed, so that pass 3 visits them alone: 4.7 against 11 us a
-// draw of 4,096 tokens on a Zen 4 core):
+// draw of 4,096 tokens on a Zen 4 core, the draw timed in a loop):
 //   1. the row's most likely token is scored first: its score b0 bounds the final best;
 //   2. every token's uniform (Philox, four tokens a call) and whether it could beat b0: a
 //      score z - log(-log u) > b0 needs u > exp(-e^(z - b0)) >= 1 - e^(z - b0) (cannot_win's
@@ -21,11 +21,11 @@
 
 namespace bs {
 
-// Pass 2 over one row: u[i] for every token (bonus_uniforms), then cand[i] = 1 where token i
-// could beat b0 (bonus_filter).
+// Pass 2 over one row: u[i] for every token (bonus_uniforms; from Philox call `first` on),
+// then cand[i] = 1 where token i could beat b0 (bonus_filter).
 BS_CLONES inline void bonus_uniforms(int V, uint64_t seed, uint64_t offset, uint32_t position,
-                                     float* __restrict__ u) {
-  for (int c = 0; c < (V + 3) / 4; ++c) {   // as TokenUniforms: token i is call i / 4, word i % 4
+                                     float* __restrict__ u, int first = 0) {
+  for (int c = first; c < (V + 3) / 4; ++c) {   // as TokenUniforms: token i is call i / 4, word i % 4
     const U4 r = philox_keyed(seed, offset, position, kStreamDraw, uint32_t(c));
     for (int j = 0; j < 4; ++j) u[4 * c + j] = to_uniform(r.w[j]);
   }
@@ -87,17 +87,14 @@ BS_PHILOX_AVX512 inline void philox16(int c0, uint32_t position, uint64_t offset
   }
 }
 
-// bonus_uniforms, 16 calls (64 tokens) at a time, where the CPU has AVX-512 (2.8 against
-// 6.4 us for 4,096 tokens on a Zen 4 core)
+// bonus_uniforms, 16 calls (64 tokens) at a time, where the CPU has AVX-512 (2.5-2.8 against
+// 6.3-6.4 us for 4,096 tokens on a Zen 4 core, the two functions timed in a loop)
 BS_PHILOX_AVX512 inline void bonus_uniforms_avx512(int V, uint64_t seed, uint64_t offset,
                                                   uint32_t position, float* __restrict__ u) {
   const int calls = (V + 3) / 4;
   int c = 0;
   for (; c + 16 <= calls; c += 16) philox16(c, position, offset, seed, u);
-  for (; c < calls; ++c) {
-    const U4 r = philox_keyed(seed, offset, position, kStreamDraw, uint32_t(c));
-    for (int j = 0; j < 4; ++j) u[4 * c + j] = to_uniform(r.w[j]);
-  }
+  bonus_uniforms(V, seed, offset, position, u, c);   // the last calls, one at a time
 }
 #endif
 
@@ -134,7 +131,8 @@ BS_PHILOX_AVX512 int bonus_candidates_avx512(const T* row, int V, float inv_t, f
                                         _CMP_NLT_UQ) &
                      _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(k, u + i), bound, _CMP_NLT_UQ);
     // compressed in a register, then stored whole (idx has room for 16 past the last kept
-    // index): the compressing store to memory is microcoded on AMD Zen 4, 4x slower here
+    // index): the compressing store to memory is microcoded on AMD Zen 4, several times
+    // slower here (9.3 against 1.9 us for 4,096 tokens, this function timed in a loop)
     _mm512_storeu_si512(idx + n, _mm512_maskz_compress_epi32(
                                      keep, _mm512_add_epi32(_mm512_set1_epi32(i), ids)));
     n += __builtin_popcount(keep);

@@ -174,5 +174,5 @@ def test_status_of_a_firing_that_was_never_submitted():
     rows = {line.split()[0]: line.split(None, 1)[1] for line in
             status_table(job, None, {}).splitlines()}
     assert list(rows) == ["job", "state", "progress", "output", "error", "times"]
-    assert rows["progress"] == "- (never submitted: see the error)"
+    assert rows["progress"] == "- (no row ran: see the error)"
     assert rows["error"].endswith("matches no files") and "100.0%" not in str(rows)

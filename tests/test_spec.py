@@ -140,6 +140,12 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
     # logits mapped to ids, not over full rows)
     greedy_want, greedy_got = propose(False, [0.0] * 5)[0], propose(True, [0.0] * 5)[0]
     assert [o.token_ids for o in greedy_got] == [w.token_ids for w in greedy_want]
+    if rows is not None:   # the op takes a vocabulary's ids ascending (as draft_vocab.load)
+        runner = ModelRunner(draft, "cpu", dtype, head_rows=rows.flip(0))
+        runner.allocate_kv_cache(8, 16)
+        if runner.steps_in_one_call:
+            with pytest.raises(RuntimeError, match="ids must ascend"):
+                runner.draft_steps([[1]], [0], [[0]], [2])
     for w, o, t, n in zip(want, got, temps, drafts):
         assert o.token_ids == w.token_ids and len(o.token_ids) == n
         if t > 0:

@@ -95,8 +95,9 @@ def status_table(job: dict, alpha: float | str | None, shards: dict[str, dict]) 
             ("acceptance α", _rate(alpha) if job["shards_completed"] else "- (no shard done yet)"),
             ("output", job["output"] or "-")]
     if job["state"] == "failed" and not job["shards_total"] and not job.get("started_at"):
-        # a job that could not be submitted (a beat firing): no rows, shards or rates
-        rows = rows[:2] + [("progress", "- (never submitted: see the error)"), rows[-1]]
+        # a job that never ran a row (a beat firing that could not be submitted, an empty job
+        # whose _job.json could not be written): no progress, counts or rates to show
+        rows = rows[:2] + [("progress", "- (no row ran: see the error)"), rows[-1]]
     if job.get("error"):
         rows.append(("error", job["error"]))
     times = [f"{k.removesuffix('_at')} {job[k]}" for k in ("created_at", "started_at",
