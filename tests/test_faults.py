@@ -235,3 +235,49 @@ def test_a_firing_into_a_running_jobs_directory_is_refused(redis_server, tiny_ll
     store.set_final("nightly-last", state="completed")
     job_id = submit_scheduled(str(tmp_path / "nightly.yaml"), str(tmp_path))
     assert store.get(job_id)["state"] == "queued"
+
+
+def test_two_jobs_into_one_directory_at_once_run_as_one(redis_server, tmp_path):
+    """The busy-output check and the job's record are one transaction: of jobs recorded
+    into one output directory at the same instant (each past its early check, as two
+    submits or a submit and a firing can be), exactly one is recorded, and each other
+    is refused with the message naming it; a directory whose job has ended takes a new
+    one."""
+    import threading
+
+    from batchspec.jobs.shards import Shard
+    from batchspec.jobs.store import OutputBusy
+    url = redis_server.rsplit("/", 1)[0] + "/9"  # own database
+    JobStore(url).r.flushdb()
+    out = str(tmp_path / "out")
+    shard = Shard(0, str(tmp_path / "in.parquet"), "in", 0, 2)
+    stores = [JobStore(url) for _ in range(8)]
+    assert all(store.running_in(out) is None for store in stores)   # the early check
+    start, outcome = threading.Barrier(len(stores)), {}
+
+    def record(i):
+        start.wait()
+        try:
+            stores[i].create(f"job-{i}", {"output": out}, [shard])
+            outcome[i] = "recorded"
+        except OutputBusy as e:
+            outcome[i] = str(e)
+
+    threads = [threading.Thread(target=record, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    recorded = [i for i, v in outcome.items() if v == "recorded"]
+    assert len(recorded) == 1, outcome
+    winner = f"job-{recorded[0]}"
+    assert stores[0].active_jobs() == [winner]
+    for i, v in outcome.items():
+        if i != recorded[0]:
+            assert v.startswith(f"job {winner} is still running in {out}")
+            assert not stores[0].exists(f"job-{i}")
+    # another directory is free meanwhile, and this one once its job has ended
+    stores[0].create("elsewhere", {"output": str(tmp_path / "other")}, [shard])
+    stores[0].set_final(winner, state="completed")
+    stores[1].create("next", {"output": out}, [shard])
+    assert stores[0].running_in(out) == "next"

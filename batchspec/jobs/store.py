@@ -170,6 +170,16 @@ def redis_client(url: str, retry_s: float = 0) -> redis.Redis:
     return sentinel.master_for(master_name(), db=db, password=parts[0].password, **opts)
 
 
+class OutputBusy(ValueError):
+    """A job is still running in the output directory a new one would write to."""
+
+
+def output_busy(job_id: str, output: str) -> OutputBusy:
+    return OutputBusy(f"job {job_id} is still running in {output}: wait for it (batchspec "
+                      f"status {job_id}), cancel it (batchspec cancel {job_id}), or write to "
+                      f"another output directory")
+
+
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
@@ -189,20 +199,37 @@ class JobStore:
         return f"{PREFIX}job:{job_id}" + (f":{part}" if part else "")
 
     def create(self, job_id: str, spec: dict, shards: list[Shard]) -> None:
+        """Record a new job, queued, among the active ones; raises OutputBusy when an active
+        job writes to the same output directory. The check and the record are one
+        transaction (WATCH on the active set, retried when a job starts or ends in between):
+        of two submits into one directory in the same instant, one is refused, where checked
+        apart both ran and computed every shard twice."""
+        output = spec["output"]
         fields = {"job_id": job_id, "state": "queued", "spec": json.dumps(spec),
-                  "output": spec["output"], "created_at": now_iso(),
+                  "output": output, "created_at": now_iso(),
                   **{c: 0 for c in COUNTERS},
                   "shards_total": len(shards),
                   "requests_total": sum(s.num_rows for s in shards)}
-        pipe = self.r.pipeline()
-        pipe.hset(self._key(job_id), mapping=fields)
-        if shards:
-            pipe.hset(self._key(job_id, "plan"),
-                      mapping={s.id: json.dumps(s.to_dict()) for s in shards})
-            pipe.hset(self._key(job_id, "state"), mapping={s.id: "queued" for s in shards})
-        pipe.zadd(PREFIX + "jobs", {job_id: dt.datetime.now(dt.UTC).timestamp()})
-        pipe.sadd(PREFIX + "active", job_id)
-        pipe.execute()
+        plan = {s.id: json.dumps(s.to_dict()) for s in shards}
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(PREFIX + "active")
+                    busy = self._active_in(pipe.smembers(PREFIX + "active"), output)
+                    if busy is not None:
+                        raise output_busy(busy, output)
+                    pipe.multi()
+                    pipe.hset(self._key(job_id), mapping=fields)
+                    if shards:
+                        pipe.hset(self._key(job_id, "plan"), mapping=plan)
+                        pipe.hset(self._key(job_id, "state"),
+                                  mapping=dict.fromkeys(plan, "queued"))
+                    pipe.zadd(PREFIX + "jobs", {job_id: dt.datetime.now(dt.UTC).timestamp()})
+                    pipe.sadd(PREFIX + "active", job_id)
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
 
     def create_failed(self, job_id: str, output: str, error: str, ttl_s: int) -> None:
         """The record of a job that could not be submitted (a beat firing whose inputs are
@@ -222,8 +249,16 @@ class JobStore:
 
     def running_in(self, output: str) -> str | None:
         """An active job whose output directory is `output`, or None."""
-        return next((j for j in self.active_jobs() if self.job_field(j, "output") == output),
-                    None)
+        return self._active_in(self.r.smembers(PREFIX + "active"), output)
+
+    def _active_in(self, jobs, output: str) -> str | None:
+        """Of these jobs, the first (by id) whose output directory is `output`: their
+        outputs in one round trip."""
+        jobs = sorted(jobs)
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in jobs:
+            pipe.hget(self._key(job_id), "output")
+        return next((j for j, out in zip(jobs, pipe.execute()) if out == output), None)
 
     def job_field(self, job_id: str, field: str) -> str | None:
         return self.r.hget(self._key(job_id), field)

@@ -43,7 +43,7 @@ from batchspec.jobs.runner import (
 from batchspec.jobs.shards import Shard
 from batchspec.jobs.spec import JobSpec, load_yaml, new_job_id, resolve_paths
 from batchspec.jobs.states import FINAL, SHARD_ENDED
-from batchspec.jobs.store import JobStore, now_iso
+from batchspec.jobs.store import JobStore, now_iso, output_busy
 from batchspec.jobs.summary import finalize
 
 log = logging.getLogger(__name__)
@@ -484,19 +484,15 @@ def _release_stream(**_):
     STREAM.release()
 
 
-class OutputBusy(ValueError):
-    """A job is still running in the output directory a new one would write to."""
-
-
 def refuse_busy_output(store: JobStore, output: str) -> None:
     """Raise OutputBusy when a job not yet final writes to `output`: two jobs in one
     directory would run its shards twice over. `submit` asks before it clears or writes
-    anything; a beat firing asks before it submits (its refusal is a failed job's record)."""
+    anything; a beat firing asks before it submits (its refusal is a failed job's record).
+    JobStore.create asks again in the transaction that records the job, so that of two
+    jobs past this check at the same instant one is refused."""
     busy = store.running_in(output)
     if busy is not None:
-        raise OutputBusy(f"job {busy} is still running in {output}: wait for it (batchspec "
-                         f"status {busy}), cancel it (batchspec cancel {busy}), or write to "
-                         f"another output directory")
+        raise output_busy(busy, output)
 
 
 def submit_job(spec: JobSpec, shards: list | None = None) -> str:
