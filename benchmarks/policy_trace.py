@@ -7,6 +7,11 @@ is the engine's first: what a fresh worker does. To trace an earlier policy, put
 batchspec/spec/policy.py in the tree (git show REV:batchspec/spec/policy.py).
 
     python benchmarks/policy_trace.py --method suffix-adaptive --batch-size 32 --jobs 3
+
+With --tries, each measured step of the last job's tries of speculation is listed too (its
+predicted tokens and ms, from the start-up costs and the acceptance estimates, against the
+tokens and ms measured), beside the plain steps' mean at full batches: what the side behind
+is judged on.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--jobs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads [1]")
+    ap.add_argument("--tries", action="store_true",
+                    help="list the measured steps of the last job's tries of speculation")
     a = ap.parse_args()
     if not a.method.endswith(("-adaptive", "-routed")):
         ap.error(f"{a.method} has no adaptive policy: give a method ending in -adaptive or "
@@ -49,7 +56,17 @@ def main():
                    default_dtype(models["target"], "cpu"))
     engine, policy = llm.engine, llm.engine.policy
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens)
+    timed = []     # the job's measured steps: (chosen, seconds, tokens, full batch?)
+    observe = policy.observe
+
+    def logged(seconds, tokens, prompt_tokens=0, weight=0.1):
+        if not prompt_tokens:
+            timed.append((policy._chosen, seconds, tokens,
+                             len(engine.scheduler.running) == a.batch_size))
+        return observe(seconds, tokens, prompt_tokens, weight)
+    policy.observe = logged
     for job in range(a.jobs):
+        timed.clear()
         _start_afresh(llm)      # (each job starts with empty job-wide suffix tries)
         llm.add_requests(ids, params, [p["domain"] for p in prompts])
         steps, tokens, t0 = [], 0, time.perf_counter()
@@ -72,6 +89,18 @@ def main():
         print("  slowdown at full batches: " + ", ".join(
             f"{'speculating' if side else 'plain'} {v:.2f}"
             for side, v in sorted(slowdowns.items())))
+    if a.tries:
+        plain = [(c[2], s) for c, s, _, full in timed
+                 if c is not None and not c[0] and full]
+        if plain:
+            print(f"last job's plain steps at full batches: {len(plain)}, predicted "
+                  f"{1e3 * sum(p for p, _ in plain) / len(plain):.2f} ms, measured "
+                  f"{1e3 * sum(s for _, s in plain) / len(plain):.2f} ms (means)")
+        print("its tries' measured steps of speculation: predicted tokens, ms -> measured")
+        for c, s, tokens, full in timed:
+            if c is not None and c[0] and c[3]:
+                print(f"  {c[1]:6.1f} tokens {1e3 * c[2]:6.2f} ms -> {tokens:4d} tokens "
+                      f"{1e3 * s:6.2f} ms{'' if full else ' (rows finishing)'}")
 
 
 if __name__ == "__main__":
