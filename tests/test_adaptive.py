@@ -429,9 +429,10 @@ def test_a_try_of_plain_far_behind_ends_after_try_steps(step_s, measured):
 
 
 def test_a_try_of_speculation_drafts_only_for_rows_whose_drafts_are_not_far_behind():
-    """While plain leads, a model draft has not seen its rows' latest tokens: a try drafts
-    for the rows least behind, within CATCH_UP_PER_ROW tokens per row in all, not for a row
-    whose draft would first have to read a thousand tokens."""
+    """While plain leads, a model draft has not seen its rows' latest tokens: after the
+    first try of a mix and band, a try drafts for the rows least behind, within
+    CATCH_UP_PER_ROW tokens per row in all, not for a row whose draft would first have to
+    read a thousand tokens."""
     from batchspec.spec.policy import EXPLORE
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
@@ -439,10 +440,45 @@ def test_a_try_of_speculation_drafts_only_for_rows_whose_drafts_are_not_far_behi
         seq.prompt_token_ids = seq.token_ids = [1] * 1000   # 1000 tokens the draft lacks
     set_slowdowns(policy, 3.0, 1.0)     # speculation on two rows: close behind plain
     policy._winner = False              # plain leads
+    policy._tried_in_full = True        # (the first try has drafted for every row)
     picks = [policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
              for _ in range(EXPLORE)]
     assert picks[:EXPLORE - 1] == [[0] * 4] * (EXPLORE - 1)
     assert picks[-1][:2] == [4, 4] and picks[-1][2:] == [0, 0]
+
+
+def test_the_first_try_of_a_mix_drafts_for_every_row():
+    """The first try of speculation while plain leads, for a mix of temperatures and band
+    of batch sizes, drafts for every row however far behind their drafts are, so that
+    speculation is measured once on the plan it would run: a try for the row least behind
+    alone carries a speculating step's fixed cost for a token or two. The tries after it
+    draft for the rows least behind; another band starts with a try in full again."""
+    from batchspec.spec.policy import EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    for seq in seqs[2:]:
+        seq.prompt_token_ids = seq.token_ids = [1] * 1000   # 1000 tokens the draft lacks
+    set_slowdowns(policy, 3.0, 1.0)     # speculation: close behind plain
+    policy._winner = False              # plain leads
+
+    def until_a_try():
+        for _ in range(4 * EXPLORE):
+            lengths = policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+            if any(lengths):
+                return lengths
+        raise AssertionError("no try")
+
+    def finish_the_try():
+        while policy._trying:
+            speculate, tokens, seconds, _ = policy._chosen or (True, 4, 0.04, True)
+            policy.observe(4 * seconds if speculate else seconds, tokens)  # a loss
+            policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+    assert until_a_try() == [4, 4, 4, 4]
+    finish_the_try()
+    assert policy._winner is False and policy._tried_in_full
+    assert until_a_try() == [4, 4, 0, 0]
+    policy._use_mix((0.0,), 16)         # another band of batch sizes: its own first try
+    assert not policy._tried_in_full
 
 
 def test_a_try_at_one_row_drafts_for_it_however_far_behind():
@@ -473,6 +509,7 @@ def test_the_lead_is_weighed_on_every_row_though_a_try_drafts_for_few():
         seq.prompt_token_ids = seq.token_ids = [1] * 1000
     set_slowdowns(policy, 1.0, 1.0)
     policy._winner = False
+    policy._tried_in_full = True        # (a later try than the mix's first)
     rows = [(s, "d", 4, True) for s in seqs]
     picks = []
     for _ in range(EXPLORE + TRY_STEPS):    # plain, then a try: its steps as predicted

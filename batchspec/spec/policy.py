@@ -51,7 +51,8 @@ TRY_MIN_S, MAX_TRY_STEPS = 0.03, 12
 # speculation cost about 4.5 plain steps, and tries every 80 steps cost 5% of a run.
 EXPLORE_BUDGET = 0.01
 # While plain leads, a try of speculation drafts only for rows whose drafts are least behind,
-# up to this many catch-up tokens per batch row in all (see SpecPolicy._behind).
+# up to this many catch-up tokens per batch row in all (see SpecPolicy._behind), except the
+# first try of a mix of temperatures and band of batch sizes, which drafts for every row.
 CATCH_UP_PER_ROW = 4
 # Speculation takes the lead from plain only once its corrected rate beats plain's by this
 # factor (plain takes it back as soon as it is ahead).
@@ -237,6 +238,7 @@ class SpecPolicy:
         self._far = False                   # the side behind was far behind when last weighed
         self._far_gap = EXPLORE             # steps between weighings of lookup rows while
         #                                     plain leads and speculation is far behind
+        self._tried_in_full = False         # a try of speculation has drafted for every row
         self._speculated = False            # whether the last step speculated
         self._trying = False                # whether this step is part of a try
         self._try_measured = 0              # measured steps of the try on (or the last)
@@ -537,7 +539,8 @@ class SpecPolicy:
         # pay their catch-up for a few steps); the lead is still weighed on the plan over
         # every row (above), which is what speculation makes once it leads and the drafts
         # keep up.
-        skip = self._behind(rows, num_rows) if self._winner is False and speculate else set()
+        skip = self._behind(rows, num_rows) \
+            if self._winner is False and speculate and self._tried_in_full else set()
         plan = self._plan(rows, probs, skip, num_rows, extra_s) if skip else full
         spec_n, _, spec_tokens, spec_s, order, row, depth = plan
         n = spec_n if speculate else 0
@@ -746,12 +749,12 @@ class SpecPolicy:
         if self._mix is not None:    # (the first mix seen takes the state as it is)
             self._mixes[(self._mix, self._band)] = (
                 self.measured, self.observed, self._winner, self._interval, self._since,
-                self._far, self._draft_timed)
+                self._far, self._draft_timed, self._tried_in_full)
             while len(self._mixes) > MAX_MIXES:          # the least recently left first
                 del self._mixes[next(iter(self._mixes))]
             self.measured, self.observed, self._winner, self._interval, self._since, \
-                self._far, self._draft_timed = self._mixes.pop(
-                    (mix, band), ({}, {}, None, EXPLORE, 0, False, {}))
+                self._far, self._draft_timed, self._tried_in_full = self._mixes.pop(
+                    (mix, band), ({}, {}, None, EXPLORE, 0, False, {}, False))
             # a try of the mix left, ended or not, says nothing of this one's lead
             self._try_left, self._fresh, self._trying = 0, False, False
             self._far_gap = EXPLORE
@@ -771,7 +774,17 @@ class SpecPolicy:
         long plain stretch, at 64 rows tens of thousands of tokens), so a try drafts only
         for the rows least behind, up to CATCH_UP_PER_ROW tokens per batch row in all. The
         row least behind is always drafted for: at small batches every row is further behind
-        than the budget, and a try that drafts for no row would never be made."""
+        than the budget, and a try that drafts for no row would never be made.
+
+        Not for the first try of a mix and band (choose_lengths): it drafts for every row,
+        whatever the catch-up costs, once. A try that drafts for one row of 8 carries all of
+        a speculating step's fixed cost (the draft's call, scheduling with draft slots, the
+        plans: 0.5-0.9 ms more than a plain step at 8-32 rows) for a token or two, and the
+        slowdown it measures, applied to the plan over every row, kept plain ahead at 8
+        rows, T = 0, where speculation held in the lead makes 1.055x plain and the policy
+        0.96x (benchmarks/policy_ab.py --speculation-leads). Measured over every row once,
+        at 8 rows, T = 0 it took the lead: 1.02-1.04x against 0.98. Every try in full cost
+        1-4% at 16-64 rows, where speculation loses, in the catch-up of each try."""
         lag = sorted((len(seq) - seq.spec.num_draft_computed, i)
                      for i, (seq, _, _, is_model) in enumerate(rows) if is_model)
         budget, behind = CATCH_UP_PER_ROW * num_rows, set()
@@ -911,6 +924,7 @@ class SpecPolicy:
             self._fresh = self._try_measured >= MAX_TRY_STEPS or \
                 (self._try_measured >= TRY_STEPS and
                  (self._try_s >= TRY_MIN_S or not speculate and self._plain_far_behind()))
+            self._tried_in_full |= self._fresh and speculate
             if not self._fresh and not self._try_left:
                 self._try_left = 1          # the try goes on
 
