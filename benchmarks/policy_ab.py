@@ -47,8 +47,9 @@ def load_policy_at(rev: str):
 
 def held_in_speculation():
     """The tree's SpecPolicy, made never to hand plain the lead: speculation's corrected rate
-    is taken as beyond plain's, and plain is never tried, so that every step runs the plan
-    weighed best (no slot at all where none pays). Refusing plain the lead at the switch
+    is taken as beyond plain's, plain is never tried, and a weighing whose best plan drafts
+    nothing leaves speculation the lead, so that every step runs the plan weighed best (no
+    slot at all where none pays). Refusing plain the lead at the switch
     alone did not hold it: a try of plain that showed plain ahead left every later step
     weighed as a try of plain, and those steps ran plain (0.00 of the rows' rounds drafted
     in most runs)."""
@@ -57,6 +58,10 @@ def held_in_speculation():
     class Held(policy.SpecPolicy):
         def _slowdown(self, speculate: bool) -> float:
             return 1e-9 if speculate else super()._slowdown(speculate)
+
+        def _switch(self, speculate: bool, fresh: bool) -> None:
+            # (a weighing whose best plan drafts nothing would hand plain the lead)
+            super()._switch(True, fresh)
 
         def _may_explore(self) -> bool:
             return False

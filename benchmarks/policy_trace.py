@@ -62,7 +62,7 @@ def main():
     def logged(seconds, tokens, prompt_tokens=0, weight=0.1):
         if not prompt_tokens:
             timed.append((policy._chosen, seconds, tokens,
-                             len(engine.scheduler.running) == a.batch_size))
+                          len(engine.scheduler.running) == a.batch_size))
         return observe(seconds, tokens, prompt_tokens, weight)
     policy.observe = logged
     for job in range(a.jobs):
@@ -100,7 +100,7 @@ def main():
         for c, s, tokens, full in timed:
             if c is not None and c[0] and c[3]:
                 print(f"  {c[1]:6.1f} tokens {1e3 * c[2]:6.2f} ms -> {tokens:4d} tokens "
-                      f"{1e3 * s:6.2f} ms{'' if full else ' (rows finishing)'}")
+                      f"{1e3 * s:6.2f} ms{'' if full else ' (a smaller batch)'}")
 
 
 if __name__ == "__main__":
