@@ -777,14 +777,16 @@ class SpecPolicy:
         than the budget, and a try that drafts for no row would never be made.
 
         Not for the first try of a mix and band (choose_lengths): it drafts for every row,
-        whatever the catch-up costs, once. A try that drafts for one row of 8 carries all of
-        a speculating step's fixed cost (the draft's call, scheduling with draft slots, the
-        plans: 0.5-0.9 ms more than a plain step at 8-32 rows) for a token or two, and the
+        whatever the catch-up costs, once. A try that drafts for one row of 8 carries what a
+        speculating step adds besides its window (the draft's call, scheduling with draft
+        slots, the plans; such a step took 0.5-0.9 ms more than a plain one at 8-32 rows,
+        benchmarks/policy_trace.py --tries) for a token or two, and the
         slowdown it measures, applied to the plan over every row, kept plain ahead at 8
         rows, T = 0, where speculation held in the lead makes 1.055x plain and the policy
         0.96x (benchmarks/policy_ab.py --speculation-leads). Measured over every row once,
-        at 8 rows, T = 0 it took the lead: 1.02-1.04x against 0.98. Every try in full cost
-        1-4% at 16-64 rows, where speculation loses, in the catch-up of each try."""
+        at 8 rows, T = 0 it took the lead: 1.02-1.04x against 0.98 in three paired runs of
+        four. Tries in full every time cost 2-4% at 16 rows and 1-5% at 32-64, where
+        speculation at best breaks even, in the catch-up of each try."""
         lag = sorted((len(seq) - seq.spec.num_draft_computed, i)
                      for i, (seq, _, _, is_model) in enumerate(rows) if is_model)
         budget, behind = CATCH_UP_PER_ROW * num_rows, set()
