@@ -281,3 +281,36 @@ def test_two_jobs_into_one_directory_at_once_run_as_one(redis_server, tmp_path):
     stores[0].set_final(winner, state="completed")
     stores[1].create("next", {"output": out}, [shard])
     assert stores[0].running_in(out) == "next"
+
+
+def test_overwrite_that_loses_the_directory_clears_nothing(redis_server, tmp_path, tiny_llama):
+    """`submit --overwrite` clears the output directory only once its job holds it: a submit
+    past its early check that then finds another job recorded there (started in between) is
+    refused with nothing removed. Cleared first, it took the running job's outputs with it."""
+    from batchspec.jobs.celery_app import use_broker
+    from batchspec.jobs.shards import Shard
+    from batchspec.jobs.spec import JobSpec
+    from batchspec.jobs.store import OutputBusy
+    from batchspec.jobs.tasks import submit_job
+    url = redis_server.rsplit("/", 1)[0] + "/10"  # own database
+    store = JobStore(url)
+    store.r.flushdb()
+    use_broker(url)
+    out = tmp_path / "out"
+    inputs = write_rows(tmp_path / "in.parquet", ["a b c", "d e f"], [4, 4])
+    running = [out / "outputs" / "part-00000.parquet", out / "_plan.json"]
+    for path in running:      # what the job running there has written so far
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"written by the running job")
+    store.create("running", {"output": str(out)}, [Shard(0, inputs, "in", 0, 2)])
+    spec = JobSpec(inputs=inputs, output=str(out), model=tiny_llama, max_tokens=4)
+    with pytest.raises(OutputBusy, match="job running is still running in"):
+        submit_job(spec, overwrite=True)
+    assert all(path.read_bytes() == b"written by the running job" for path in running)
+    assert store.active_jobs() == ["running"] and not store.exists(spec.job_id)
+    # once that job has ended, the directory is cleared for the new one and recorded
+    store.set_final("running", state="failed")
+    job_id = submit_job(spec, overwrite=True)
+    assert store.active_jobs() == [job_id]
+    assert not running[0].exists()
+    assert json.loads(running[1].read_text())["shards"]

@@ -289,7 +289,7 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
     """Submit a job to the Celery workers; prints the job id (last line of stdout)."""
     store = _store(ctx)               # Redis first: nothing is written if it is not there
     from batchspec.jobs.runner import plan_job
-    from batchspec.jobs.summary import check_output, clear_output
+    from batchspec.jobs.summary import check_output
     from batchspec.jobs.tasks import refuse_busy_output, submit_job
     spec = build_spec(config, **options)
     shards = plan_job(spec)
@@ -298,12 +298,11 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
     if done is not None:
         _already_complete(done)
         return
-    if overwrite:
-        clear_output(spec.output)
     from batchspec.jobs.spec import new_job_id
     job_id = spec.job_id = spec.job_id or new_job_id(spec.name)
     try:
-        submit_job(spec, shards)
+        # (with --overwrite, the directory is cleared once the job holds it: submit_job)
+        submit_job(spec, shards, overwrite=overwrite)
         if not wait:
             click.echo(job_id)
             return

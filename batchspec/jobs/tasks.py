@@ -37,14 +37,14 @@ from batchspec.jobs.runner import (
     ShardWork,
     fail_shard,
     is_done,
+    plan_job,
     run_shard,
-    start_job,
 )
 from batchspec.jobs.shards import Shard
 from batchspec.jobs.spec import JobSpec, load_yaml, new_job_id, resolve_paths
 from batchspec.jobs.states import FINAL, SHARD_ENDED
 from batchspec.jobs.store import JobStore, now_iso, output_busy
-from batchspec.jobs.summary import finalize
+from batchspec.jobs.summary import check_output, claim_output, clear_output, finalize
 
 log = logging.getLogger(__name__)
 _engine: dict = {"key": None, "llm": None}
@@ -495,13 +495,30 @@ def refuse_busy_output(store: JobStore, output: str) -> None:
         raise output_busy(busy, output)
 
 
-def submit_job(spec: JobSpec, shards: list | None = None) -> str:
+def submit_job(spec: JobSpec, shards: list | None = None, overwrite: bool = False) -> str:
     """Store the job and enqueue one task per shard (`shards`: the job's plan, when the
-    caller has made it). Returns the job id."""
+    caller has made it); `overwrite` clears the output directory's job files first. Returns
+    the job id.
+
+    The record comes first: JobStore.create claims the output directory in one transaction
+    (OutputBusy when an active job writes there), and only then are its files cleared and
+    its plan written. Cleared before the record, a `submit --overwrite` that lost the claim
+    to a job started in the same instant had already removed that job's outputs. A failure
+    between the record and the tasks (the directory cannot be cleared or written) ends the
+    job failed with the reason, so that it does not hold the directory."""
     spec.job_id = spec.job_id or new_job_id(spec.name)
-    shards = start_job(spec, shards)
+    shards = plan_job(spec) if shards is None else shards
+    check_output(spec.to_dict(), shards, overwrite=overwrite)     # read-only: raises first
     store = get_store()
     store.create(spec.job_id, spec.to_dict(), shards)
+    try:
+        if overwrite:
+            clear_output(spec.output)
+        claim_output(spec.to_dict(), shards)
+    except Exception as e:
+        store.set_final(spec.job_id, state="failed", finished_at=now_iso(),
+                        error=f"could not prepare {spec.output}: {type(e).__name__}: {e}")
+        raise
     for shard in shards:
         run_shard_task.apply_async((spec.job_id, shard.id))
     if not shards:
