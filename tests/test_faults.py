@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -66,6 +68,47 @@ def test_kill_9_of_a_worker_group_mid_shard(start_worker, redis_server, slow_mod
     assert store.shard_info(job_id)[shard]["requeued_at"]
     assert (out / "_SUCCESS").exists()
     assert (job["requests_completed"], job["shards_completed"]) == (8, 4)
+
+
+@pytest.mark.slow
+def test_a_frozen_worker_waking_after_its_shard_ran_elsewhere_changes_nothing(
+        start_worker, redis_server, slow_model, tmp_path):
+    """A worker host frozen past its lease (SIGSTOP to its whole process group: a paused VM,
+    a host swapping): its shard is re-queued and run by another worker, and the job ends.
+    When the frozen worker wakes (SIGCONT), its stale run changes nothing: each row once,
+    the record's counts and OUT/_job.json as they were, and no shard shown in progress."""
+    from batchspec.jobs.store import COUNTERS
+    url = redis_server.rsplit("/", 1)[0] + "/11"  # own database: only these two workers
+    store = JobStore(url)
+    store.r.flushdb()
+    victim = start_worker("frozen", url=url, **FAST_LEASES)
+    start_worker("awake", url=url, **FAST_LEASES)
+    path = write_rows(tmp_path / "f.parquet", [f"row {i}" for i in range(8)],
+                      [150, 150, 150, 150, 8, 8, 8, 8])
+    out = tmp_path / "out"
+    job_id = batchspec(url, "submit", path, "-o", out, "--model", slow_model,
+                       "--shard-size", 2).stdout.strip().splitlines()[-1]
+
+    def victim_generating():
+        info = store.shard_info(job_id)
+        return next((s for s in store.running_progress(job_id)
+                     if info.get(s, {}).get("pid") in victim.pids()), None)
+    wait_until(victim_generating, 180, "the frozen worker to be generating a shard", 0.02)
+    os.killpg(victim.proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: job_state(store, job_id) in FINAL, 300, "the job to end", 0.2)
+        before, summary = store.get(job_id), (out / "_job.json").read_text()
+    finally:
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+    wait_until(lambda: "no longer held" in victim.tail(20000), 60,
+               "the woken worker to find its lease gone", 0.1)
+    time.sleep(3)     # (what its stale run still writes, if anything)
+    after = store.get(job_id)
+    assert before["state"] == after["state"] == "completed", victim.tail()
+    assert {c: after[c] for c in COUNTERS} == {c: before[c] for c in COUNTERS}
+    assert store.running_progress(job_id) == {} and after["requests_in_progress"] == 0
+    assert (out / "_job.json").read_text() == summary
+    assert_each_row_once(out, [f"f{i}" for i in range(8)])
 
 
 @pytest.mark.slow

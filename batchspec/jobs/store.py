@@ -67,6 +67,15 @@ redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
+# KEYS: owner, progress. ARGV: shard, token, "finished tokens". A running shard's progress, from
+# its lease holder only: a worker that wakes after its lease expired (a frozen host) and the
+# shard ran elsewhere must not show it in progress again (nothing would ever clear it).
+_PROGRESS = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+return 1
+"""
+
 # KEYS: state, lease, owner, progress. ARGV: shard, token ('' = any holder, if the lease is
 # gone). Puts a running shard back to queued: a lease holder giving it up (to be retried),
 # or anyone noticing its lease expired. Exactly one caller gets 1 and sends the task.
@@ -190,6 +199,7 @@ class JobStore:
         self.r = redis_client(url, retry_s)
         self._start = self.r.register_script(_START)
         self._renew = self.r.register_script(_RENEW)
+        self._progress = self.r.register_script(_PROGRESS)
         self._requeue = self.r.register_script(_REQUEUE)
         self._finish = self.r.register_script(_FINISH)
         self._claim_finalize = self.r.register_script(_CLAIM_FINALIZE)
@@ -350,8 +360,12 @@ class JobStore:
     def attempts(self, job_id: str, shard_id: str) -> int:
         return int(self.r.hget(self._key(job_id, "attempts"), shard_id) or 0)
 
-    def progress(self, job_id: str, shard_id: str, finished: int, tokens: int) -> None:
-        self.r.hset(self._key(job_id, "progress"), shard_id, f"{finished} {tokens}")
+    def progress(self, job_id: str, shard_id: str, token: str, finished: int,
+                 tokens: int) -> bool:
+        """Record a running shard's progress (requests finished, tokens generated) for its
+        lease holder `token`; False, and nothing written, when the lease is not its own."""
+        keys = [self._key(job_id, "owner"), self._key(job_id, "progress")]
+        return bool(self._progress(keys=keys, args=[shard_id, token, f"{finished} {tokens}"]))
 
     def running_progress(self, job_id: str) -> dict[str, tuple[int, int]]:
         """shard -> (finished requests, generated tokens) of the shards being generated."""

@@ -248,7 +248,7 @@ def run_shard_task(job_id: str, shard_id: str) -> str:
             spec, shard, None if done else get_llm(spec), job_id=job_id,
             should_abort=Every(0.5, lambda: lease.lost or quick.cancel_requested(job_id),
                                False),
-            on_progress=Every(0.5, lambda n, t: quick.progress(job_id, shard_id, n, t)))
+            on_progress=Every(0.5, lambda n, t: quick.progress(job_id, shard_id, token, n, t)))
     except Exception as e:
         handed_over = False
         log.exception("shard %s of job %s failed (attempt %d)", shard_id, job_id, attempt)
@@ -341,7 +341,7 @@ class Stream:
     def _report(self) -> None:
         quick = get_store()
         for f in list(self.flights.values()):
-            quick.progress(f.job_id, f.shard.id, len(f.work.seqs) - f.work.left, 0)
+            quick.progress(f.job_id, f.shard.id, f.token, len(f.work.seqs) - f.work.left, 0)
 
     def _queue(self, flight: Flight) -> list[tuple[Flight, str, Exception | None]]:
         """Queue a handed shard's rows in the engine (the stream thread's, between steps)."""
