@@ -40,23 +40,30 @@ def assert_each_row_once(out, ids: list[str]):
     assert sorted(got) == sorted(ids), f"rows lost: {sorted(set(ids) - set(got))}"
 
 
+def job_with_a_shard_on(store: JobStore, url: str, worker, name: str, slow_model, tmp_path):
+    """Submit an 8-row job of 2-row shards (four rows of 150 tokens) on the slow model and
+    wait until `worker` generates one of its shards: (job id, that shard, output dir)."""
+    path = write_rows(tmp_path / f"{name}.parquet", [f"row {i}" for i in range(8)],
+                      [150, 150, 150, 150, 8, 8, 8, 8])
+    out = tmp_path / "out"
+    job_id = batchspec(url, "submit", path, "-o", out, "--model", slow_model,
+                       "--shard-size", 2).stdout.strip().splitlines()[-1]
+
+    def generating():
+        info = store.shard_info(job_id)
+        return next((s for s in store.running_progress(job_id)
+                     if info.get(s, {}).get("pid") in worker.pids()), None)
+    shard = wait_until(generating, 180, f"{worker.name} to be generating a shard", 0.02)
+    return job_id, shard, out
+
+
 @pytest.mark.slow
 def test_kill_9_of_a_worker_group_mid_shard(start_worker, redis_server, slow_model, tmp_path):
     url = redis_server.rsplit("/", 1)[0] + "/2"  # own database: only these two workers
     store = JobStore(url)
     victim = start_worker("victim", url=url, **FAST_LEASES)
     rescuer = start_worker("rescuer", url=url, **FAST_LEASES)
-    path = write_rows(tmp_path / "k.parquet", [f"row {i}" for i in range(8)],
-                      [150, 150, 150, 150, 8, 8, 8, 8])
-    out = tmp_path / "out"
-    job_id = batchspec(url, "submit", path, "-o", out, "--model", slow_model,
-                       "--shard-size", 2).stdout.strip().splitlines()[-1]
-
-    def victim_generating():
-        info = store.shard_info(job_id)
-        return next((s for s in store.running_progress(job_id)
-                     if info.get(s, {}).get("pid") in victim.pids()), None)
-    shard = wait_until(victim_generating, 180, "the victim to be generating a shard", 0.02)
+    job_id, shard, out = job_with_a_shard_on(store, url, victim, "k", slow_model, tmp_path)
     victim.kill()
     assert not (out / "outputs" / f"part-{shard}.parquet").exists()
     # The rescuer's periodic check sees the victim's lease expire and re-queues the shard.
@@ -83,17 +90,7 @@ def test_a_frozen_worker_waking_after_its_shard_ran_elsewhere_changes_nothing(
     store.r.flushdb()
     victim = start_worker("frozen", url=url, **FAST_LEASES)
     start_worker("awake", url=url, **FAST_LEASES)
-    path = write_rows(tmp_path / "f.parquet", [f"row {i}" for i in range(8)],
-                      [150, 150, 150, 150, 8, 8, 8, 8])
-    out = tmp_path / "out"
-    job_id = batchspec(url, "submit", path, "-o", out, "--model", slow_model,
-                       "--shard-size", 2).stdout.strip().splitlines()[-1]
-
-    def victim_generating():
-        info = store.shard_info(job_id)
-        return next((s for s in store.running_progress(job_id)
-                     if info.get(s, {}).get("pid") in victim.pids()), None)
-    wait_until(victim_generating, 180, "the frozen worker to be generating a shard", 0.02)
+    job_id, _, out = job_with_a_shard_on(store, url, victim, "f", slow_model, tmp_path)
     os.killpg(victim.proc.pid, signal.SIGSTOP)
     try:
         wait_until(lambda: job_state(store, job_id) in FINAL, 300, "the job to end", 0.2)
