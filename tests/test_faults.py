@@ -354,3 +354,35 @@ def test_overwrite_that_loses_the_directory_clears_nothing(redis_server, tmp_pat
     assert store.active_jobs() == [job_id]
     assert not running[0].exists()
     assert json.loads(running[1].read_text())["shards"]
+
+
+def test_a_worker_whose_lease_went_to_another_writes_no_files(redis_server, tmp_path,
+                                                              tiny_llama):
+    """The files of a shard are written only by its lease holder, asked of Redis as they
+    are due: a worker whose lease expired and went to another worker while it ran (a
+    frozen host woken before its next renewal noticed) ends the shard aborted with nothing
+    written, where it used to write over the files of the worker that holds the shard."""
+    from batchspec import LLM
+    from batchspec.jobs.lease import Lease
+    from batchspec.jobs.runner import plan_job, run_shard
+    from batchspec.jobs.spec import JobSpec
+    url = redis_server.rsplit("/", 1)[0] + "/12"  # own database
+    store = JobStore(url)
+    store.r.flushdb()
+    inputs = write_rows(tmp_path / "in.parquet", ["a b c", "d e f"], [4, 4])
+    out = tmp_path / "out"
+    spec = JobSpec(inputs=inputs, output=str(out), model=tiny_llama, max_tokens=4)
+    shard = plan_job(spec)[0]
+    store.create("j", spec.to_dict(), [shard])
+    llm = LLM(tiny_llama, device="cpu")
+    assert store.start_attempt("j", shard.id, "frozen", 0.2) == 1
+    lease = Lease(store, "j", shard.id, "frozen", 0.2, 30)   # (its renewals: not started)
+    time.sleep(0.3)                        # its lease expires; another worker takes over
+    assert store.requeue("j", shard.id) and store.start_attempt("j", shard.id, "awake") == 2
+    result = run_shard(spec, shard, llm, job_id="j", may_write=lease.held)
+    assert result.status == "aborted" and lease.lost
+    assert not (out / "outputs").exists() and not (out / "acceptance").exists()
+    # the lease holder writes them
+    held = Lease(store, "j", shard.id, "awake", 30, 10)
+    assert run_shard(spec, shard, llm, job_id="j", may_write=held.held).status == "done"
+    assert sorted(read_dir(out, "outputs").column("id").to_pylist()) == ["in0", "in1"]

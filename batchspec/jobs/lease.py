@@ -125,6 +125,25 @@ class Lease:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def held(self) -> bool:
+        """Whether the lease is still this worker's, asked of Redis now (a renewal); sets
+        `lost` when it is not. A shard's files are written only after asking: a worker
+        frozen past its lease (a paused VM) and woken before its next renewal would
+        otherwise write over the files of the worker that ran the shard since. A store that
+        cannot be reached answers True (the files are written, as before the lease could
+        be asked; the shard's end is recorded later, see reconcile)."""
+        if self.lost:
+            return False
+        try:
+            if self.store.renew_lease(self.job_id, self.shard_id, self.token, self.ttl):
+                return True
+        except Exception as e:  # noqa: BLE001 - Redis down: as if held
+            log.warning("could not ask for the lease on shard %s of job %s: %s",
+                        self.shard_id, self.job_id, e)
+            return True
+        self.lost = True
+        return False
+
     def _run(self) -> None:
         while not self._stop.wait(self.renew):
             try:

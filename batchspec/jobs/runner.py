@@ -90,12 +90,16 @@ class ShardDriver:
     Queue the next shard whenever `wants_more()` (every queued row has been admitted), and
     the batch stays full across shard boundaries instead of draining each shard's tail."""
 
-    def __init__(self, spec: JobSpec, llm, job_id: str, contain_failures: bool = True):
+    def __init__(self, spec: JobSpec, llm, job_id: str, contain_failures: bool = True,
+                 may_write: Callable[[ShardWork], bool] | None = None):
         """contain_failures: a shard that cannot be read or written ends `failed` (its
         rows in its errors file as far as that can be written) and the others go on, as
-        `batchspec run` wants; False raises instead, for a Celery task to retry."""
+        `batchspec run` wants; False raises instead, for a Celery task to retry.
+        may_write(work), asked before a shard's files are written: False ends the shard
+        `aborted` with nothing written (a worker's lease on it has gone to another)."""
         self.spec, self.llm, self.job_id = spec, llm, job_id
         self.contain_failures = contain_failures
+        self.may_write = may_write
         self._by_seq: dict[int, ShardWork] = {}   # Sequence.seq_id -> its shard
         self.num_tokens = 0
         if spec.suffix_seed:
@@ -193,6 +197,12 @@ class ShardDriver:
             log.exception("could not write the errors of failed shard %s", work.shard.id)
 
     def _write(self, work: ShardWork) -> None:
+        if self.may_write is not None and not self.may_write(work):
+            log.warning("shard %s is no longer this worker's: its files are not written",
+                        work.shard.id)
+            work.result = ShardResult(work.shard.id, "aborted",
+                                      wall_s=time.perf_counter() - work.t0)
+            return
         try:
             self._write_files(work)
         except Exception as e:
@@ -247,14 +257,17 @@ def seed_suffix_drafts(engine, seed: str) -> None:
 
 def run_shard(spec: JobSpec, shard: Shard, llm, *, job_id: str,
               should_abort: Callable[[], bool] | None = None,
-              on_progress: Callable[[int, int], None] | None = None) -> ShardResult:
+              on_progress: Callable[[int, int], None] | None = None,
+              may_write: Callable[[], bool] | None = None) -> ShardResult:
     """One shard (a Celery task's work): skipped when its outputs exist, aborted (nothing
-    written) when should_abort() turns true between engine steps."""
+    written) when should_abort() turns true between engine steps, or may_write() is false
+    when its files are to be written."""
     fs, root = output_fs(spec.output)
     if fs.exists(shard_path(root, "outputs", shard)):
         n_ok, n_bad = shard_counts(fs, root, shard)
         return ShardResult(shard.id, "skipped", n_ok, n_bad)
-    driver = ShardDriver(spec, llm, job_id, contain_failures=False)
+    driver = ShardDriver(spec, llm, job_id, contain_failures=False,
+                         may_write=None if may_write is None else lambda _: may_write())
     work = driver.add(shard)
     done = 0
     try:

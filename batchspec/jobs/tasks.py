@@ -248,7 +248,8 @@ def run_shard_task(job_id: str, shard_id: str) -> str:
             spec, shard, None if done else get_llm(spec), job_id=job_id,
             should_abort=Every(0.5, lambda: lease.lost or quick.cancel_requested(job_id),
                                False),
-            on_progress=Every(0.5, lambda n, t: quick.progress(job_id, shard_id, token, n, t)))
+            on_progress=Every(0.5, lambda n, t: quick.progress(job_id, shard_id, token, n, t)),
+            may_write=lease.held)
     except Exception as e:
         handed_over = False
         log.exception("shard %s of job %s failed (attempt %d)", shard_id, job_id, attempt)
@@ -338,6 +339,11 @@ class Stream:
             raise flight.error
         return "streaming"
 
+    def _holds(self, work: ShardWork) -> bool:
+        """Whether this worker still holds the lease of the shard whose files are due."""
+        flight = self.flights.get(work.shard.id)
+        return flight is None or flight.lease.held()
+
     def _report(self) -> None:
         quick = get_store()
         for f in list(self.flights.values()):
@@ -348,7 +354,8 @@ class Stream:
         try:
             if self.driver is None:
                 quick, job_id = get_store(), flight.job_id
-                self.driver = ShardDriver(flight.spec, get_llm(flight.spec), job_id)
+                self.driver = ShardDriver(flight.spec, get_llm(flight.spec), job_id,
+                                          may_write=self._holds)
                 self.cancelled = Every(0.5, lambda: quick.cancel_requested(job_id), False)
                 self.progress = Every(0.5, self._report, None)
             flight.work = self.driver.add(flight.shard)
@@ -378,7 +385,9 @@ class Stream:
                 log.exception("engine abort failed")
             return self._take_all("failed", e)
         with self.cond:
-            ended = [(self.flights.pop(w.shard.id), "completed", None) for w in written]
+            ended = [(self.flights.pop(w.shard.id),
+                      "lease_lost" if w.result.status == "aborted" else "completed", None)
+                     for w in written]
         self.progress()
         return ended
 
@@ -431,6 +440,9 @@ class Stream:
                           f.spec.max_attempts, exc)
             elif outcome == "cancelled":
                 _end(f.job_id, f.shard.id, "cancelled")
+            elif outcome == "lease_lost":   # another worker has the shard now
+                log.info("shard %s of job %s left to the worker that holds it now",
+                         f.shard.id, f.job_id)
             else:
                 r = f.work.result
                 _end(f.job_id, f.shard.id, "completed", r.num_completed, r.num_errors,
