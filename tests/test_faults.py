@@ -78,8 +78,9 @@ def test_kill_9_of_a_worker_group_mid_shard(start_worker, redis_server, slow_mod
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stream", ["0", "1"])
 def test_a_frozen_worker_waking_after_its_shard_ran_elsewhere_changes_nothing(
-        start_worker, redis_server, slow_model, tmp_path):
+        start_worker, redis_server, slow_model, tmp_path, stream):
     """A worker host frozen past its lease (SIGSTOP to its whole process group: a paused VM,
     a host swapping): its shard is re-queued and run by another worker, and the job ends.
     When the frozen worker wakes (SIGCONT), its stale run changes nothing: each row once,
@@ -88,8 +89,8 @@ def test_a_frozen_worker_waking_after_its_shard_ran_elsewhere_changes_nothing(
     url = redis_server.rsplit("/", 1)[0] + "/11"  # own database: only these two workers
     store = JobStore(url)
     store.r.flushdb()
-    victim = start_worker("frozen", url=url, **FAST_LEASES)
-    start_worker("awake", url=url, **FAST_LEASES)
+    victim = start_worker(f"frozen{stream}", url=url, BATCHSPEC_STREAM=stream, **FAST_LEASES)
+    awake = start_worker(f"awake{stream}", url=url, BATCHSPEC_STREAM=stream, **FAST_LEASES)
     job_id, _, out = job_with_a_shard_on(store, url, victim, "f", slow_model, tmp_path)
     os.killpg(victim.proc.pid, signal.SIGSTOP)
     try:
@@ -106,6 +107,8 @@ def test_a_frozen_worker_waking_after_its_shard_ran_elsewhere_changes_nothing(
     assert store.running_progress(job_id) == {} and after["requests_in_progress"] == 0
     assert (out / "_job.json").read_text() == summary
     assert_each_row_once(out, [f"f{i}" for i in range(8)])
+    victim.stop()     # (the module's next tests share database 11's queue with none)
+    awake.stop()
 
 
 @pytest.mark.slow
