@@ -389,3 +389,30 @@ def test_a_worker_whose_lease_went_to_another_writes_no_files(redis_server, tmp_
     held = Lease(store, "j", shard.id, "awake", 30, 10)
     assert run_shard(spec, shard, llm, job_id="j", may_write=held.held).status == "done"
     assert sorted(read_dir(out, "outputs").column("id").to_pylist()) == ["in0", "in1"]
+
+
+def test_wait_says_what_to_do_when_redis_loses_the_job(redis_server, tmp_path, tiny_llama):
+    """`submit --wait` following a job whose record Redis loses (a restart without
+    persistence, a flush) ends with one line saying so and how to finish the job, exit 1,
+    no traceback."""
+    url = redis_server.rsplit("/", 1)[0] + "/13"  # own database: no worker serves it
+    store = JobStore(url)
+    store.r.flushdb()
+    path = write_rows(tmp_path / "w.parquet", ["a b c", "d e f"], [4, 4])
+    out = tmp_path / "out"
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "batchspec.cli", "submit", path, "-o", str(out), "--model",
+         tiny_llama, "--wait", "-q", "--broker", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job_id = wait_until(lambda: [j["job_id"] for j in store.recent(1)], 60, "the job")[0]
+        store.r.flushdb()
+        _, stderr = waiting.communicate(timeout=60)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+    assert waiting.returncode == 1 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"Error: job {job_id}'s record is gone from Redis (restarted without persistence, or "
+        f"flushed?); the shards it finished stay in {out}: submit the job again with the "
+        f"same inputs and -o to run the rest")

@@ -247,13 +247,25 @@ def _get_job(store, job_id: str) -> dict:
     return job
 
 
-def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> dict:
-    """Follow a job to its end with a progress bar on stderr (requests, tokens/s)."""
+def wait_for(store, job_id: str, output: str, poll_s: float = 0.5,
+             progress: bool = True) -> dict:
+    """Follow a job just submitted (into `output`) to its end with a progress bar on stderr
+    (requests, tokens/s)."""
     import redis
     from tqdm.auto import tqdm
 
     from batchspec.jobs.tasks import Every, try_reconcile
-    job = _get_job(store, job_id)
+
+    def record() -> dict:
+        job = store.get(job_id)
+        if job is None or "state" not in job:
+            # (a Redis restarted without persistence, or flushed, while the job ran)
+            raise click.ClickException(
+                f"job {job_id}'s record is gone from Redis (restarted without persistence, or "
+                f"flushed?); the shards it finished stay in {output}: submit the job again "
+                f"with the same inputs and -o to run the rest")
+        return job
+    job = record()
     check = Every(5.0, lambda: try_reconcile(job_id, store))
     with tqdm(total=job["requests_total"], unit="req", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:
@@ -261,7 +273,7 @@ def wait_for(store, job_id: str, poll_s: float = 0.5, progress: bool = True) -> 
         while True:
             check()  # carries the job on if its workers died or Redis restarted
             try:
-                job = _get_job(store, job_id)
+                job = record()
                 down_since = None
             except redis.ConnectionError:  # a Redis restart: wait it out, up to a minute
                 down_since = down_since or time.monotonic()
@@ -307,7 +319,7 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
             click.echo(job_id)
             return
         click.echo(f"submitted {job_id}", err=True)
-        job = wait_for(store, job_id, progress=not quiet)
+        job = wait_for(store, job_id, spec.output, progress=not quiet)
     except KeyboardInterrupt:
         # Ctrl-C once the job is recorded (its shards' tasks being sent, or while waiting)
         # stops this command, not the job: shards whose tasks were not sent yet are sent by
