@@ -416,3 +416,30 @@ def test_wait_says_what_to_do_when_redis_loses_the_job(redis_server, tmp_path, t
         f"Error: job {job_id}'s record is gone from Redis (restarted without persistence, or "
         f"flushed?); the shards it finished stay in {out}: submit the job again with the "
         f"same inputs and -o to run the rest")
+
+
+def test_a_job_without_a_summary_ends_with_alpha_from_its_files(redis_server, tmp_path,
+                                                                tiny_llama, tiny_draft):
+    """A job whose `_job.json` could not be written (a full disk) has no summary in its
+    record: `submit --wait` ends with the α of its acceptance files, as `status` shows it,
+    where it said 'n/a (nothing drafted)'."""
+    from batchspec.jobs.commands import _alpha_so_far, _summary_so_far
+    from batchspec.jobs.display import ending_of_record
+    from batchspec.jobs.runner import plan_job, run_local
+    from batchspec.jobs.spec import JobSpec
+    url = redis_server.rsplit("/", 1)[0] + "/14"  # own database
+    store = JobStore(url)
+    store.r.flushdb()
+    inputs = write_rows(tmp_path / "in.parquet", [f"a b c {i}" for i in range(6)], [8] * 6)
+    spec = JobSpec(inputs=inputs, output=str(tmp_path / "out"), model=tiny_llama,
+                   drafts={"default": tiny_draft}, max_tokens=8, adaptive_k=False)
+    doc = run_local(spec, progress=False)
+    assert doc["summary"]["total_drafted"]
+    store.create("j", spec.to_dict(), plan_job(spec))
+    store.set_final("j", state="failed", error="could not write _job.json: OSError")
+    job = store.get("j")
+    assert "summary" not in job
+    alpha = _alpha_so_far(store, job)
+    assert alpha == doc["summary"]["acceptance_rate"]
+    job["summary"] = _summary_so_far(store, job)
+    assert f"acceptance rate α {alpha:.3f} (" in ending_of_record(job)

@@ -332,6 +332,8 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
     from batchspec.jobs.display import ending_of_record
     from batchspec.jobs.openai_batch import output_paths
     openai_files = output_paths(job["output"]) if spec.output_format == "openai" else None
+    summary = _summary_so_far(store, job)   # (no summary in the record: _job.json not written)
+    job["summary"] = {"acceptance_rate": summary} if isinstance(summary, str) else summary
     click.echo(ending_of_record(job, openai_files), err=True)
     click.echo(job_id)
     sys.exit(0 if job["state"] in SUCCESS else 1)
@@ -361,18 +363,25 @@ def status(ctx, job_id, as_json):
     click.echo(status_table(job, _alpha_so_far(store, job), job["shards"]))
 
 
-def _alpha_so_far(store, job: dict):
-    """α of the job: its summary once it ended, else read from the acceptance files of the
-    shards done so far (a string saying why when they cannot be read from here)."""
+def _summary_so_far(store, job: dict) -> dict | str:
+    """The job's acceptance summary: its record's once it ended, else over the acceptance
+    files of the shards done so far (a job whose `_job.json` could not be written has
+    none in its record either); a string saying why when they cannot be read from here."""
     if "summary" in job:
-        return job["summary"].get("acceptance_rate")
+        return job["summary"]
     from batchspec.jobs.outputs import output_fs
     from batchspec.jobs.summary import acceptance_summary
     try:
         fs, root = output_fs(job["output"])
-        return acceptance_summary(fs, root, store.plan(job["job_id"]))["acceptance_rate"]
+        return acceptance_summary(fs, root, store.plan(job["job_id"]))
     except Exception as e:  # noqa: BLE001 - the output may live where this host cannot read
         return f"- (cannot read {job['output']} from here: {type(e).__name__})"
+
+
+def _alpha_so_far(store, job: dict):
+    """α of the job (_summary_so_far's), or a string saying why it is not known."""
+    summary = _summary_so_far(store, job)
+    return summary if isinstance(summary, str) else summary.get("acceptance_rate")
 
 
 @click.command()
