@@ -443,3 +443,33 @@ def test_a_job_without_a_summary_ends_with_alpha_from_its_files(redis_server, tm
     assert alpha == doc["summary"]["acceptance_rate"]
     job["summary"] = _summary_so_far(store, job)
     assert f"acceptance rate α {alpha:.3f} (" in ending_of_record(job)
+
+
+def test_cancelling_a_job_no_worker_runs_ends_it(redis_server, tmp_path, tiny_llama):
+    """`batchspec cancel` of a job whose shards no worker runs (its workers gone, or all
+    busy elsewhere) ends them cancelled at once and the job with them, where it stayed
+    `cancelling` until a worker took each shard's task; a running shard whose worker died
+    ends cancelled once its lease expires, at the next check, not re-queued."""
+    url = redis_server.rsplit("/", 1)[0] + "/15"  # own database: no worker serves it
+    store = JobStore(url)
+    store.r.flushdb()
+    path = write_rows(tmp_path / "c.parquet", [f"row {i}" for i in range(4)], [4] * 4)
+    out = tmp_path / "out"
+    job_id = batchspec(url, "submit", path, "-o", out, "--model", tiny_llama,
+                       "--shard-size", 1).stdout.strip().splitlines()[-1]
+    shards = sorted(store.shard_states(job_id))
+    # one shard was taken by a worker that then died: its lease (3 s) expires unrenewed
+    assert store.start_attempt(job_id, shards[0], "dead-worker", 3) == 1
+    r = batchspec(url, "cancel", job_id)
+    assert r.returncode == 0 and r.stdout.strip() == "cancelling", r.stderr
+    assert sorted(st for st in store.shard_states(job_id).values()) == \
+        ["cancelled", "cancelled", "cancelled", "running"]
+    wait_until(lambda: not store.leases_alive(job_id, shards[:1])[shards[0]], 10,
+               "the dead worker's lease to expire", 0.1)
+    r = batchspec(url, "status", job_id)
+    assert r.returncode == 0 and store.get(job_id)["state"] == "cancelled", r.stdout
+    assert set(store.shard_states(job_id).values()) == {"cancelled"}
+    assert json.loads((out / "_job.json").read_text())["state"] == "cancelled"
+    assert not store.active_jobs()
+    r = batchspec(url, "cancel", job_id)
+    assert r.returncode == 0 and r.stdout.strip() == "cancelled"

@@ -406,6 +406,10 @@ def cancel(ctx, job_id):
     store = _store(ctx)
     _get_job(store, job_id)
     state = store.cancel(job_id)
+    if state == "cancelling":   # its queued shards end now; with none running, the job too
+        from batchspec.jobs.tasks import try_reconcile
+        try_reconcile(job_id, store)
+        state = store.job_field(job_id, "state") or state
     click.echo(state)
     if state not in ("cancelling", "cancelled"):
         raise click.ClickException(f"job {job_id} is {state}; nothing to cancel")

@@ -643,15 +643,26 @@ def reconcile(job_id: str, store: JobStore | None = None) -> str | None:
     states = store.shard_states(job_id)
     running = [s for s, st in states.items() if st == "running"]
     output = store.job_field(job_id, "output")
+    # A cancelled job's shards that no worker runs end cancelled here: with its workers
+    # gone (or busy elsewhere), the job would otherwise stay `cancelling` until one took
+    # each shard's task only to end it.
+    cancelling = state == "cancelling"
     for s, alive in store.leases_alive(job_id, running).items():
         if alive or _record_done(store, job_id, output, s):
             continue
         if store.requeue(job_id, s):
+            if cancelling:
+                _end(job_id, s, "cancelled")
+                continue
             log.warning("shard %s of job %s lost its worker (lease expired): re-queued", s,
                         job_id)
             store.update_info(job_id, s, requeued_at=now_iso())
             run_shard_task.apply_async((job_id, s))
     queued = [s for s, st in states.items() if st == "queued"]
+    if cancelling:
+        for s in queued:   # (a worker starting one meanwhile finds its lease gone, and stops)
+            _end(job_id, s, "cancelled")
+        queued = []
     for s in _resend_lost(store, job_id, queued):
         log.warning("shard %s of job %s had no task message: sent again", s, job_id)
     if store.claim_finalize(job_id):
