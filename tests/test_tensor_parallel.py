@@ -289,6 +289,57 @@ def test_celery_worker_tp2_then_kill_9_of_its_pool_child(tp_job, start_worker, r
 
 
 @pytest.mark.slow
+def test_a_worker_whose_step_hangs_exits_and_its_job_completes(tp_job, start_worker,
+                                                              redis_server):
+    """A tensor-parallel worker whose rank 1 is stopped (SIGSTOP) mid-job: rank 0's step
+    waits in a collective while the thread renewing its lease lives on, which held the
+    shard, and the job, for the collective's timeout (30 minutes). Past
+    BATCHSPEC_STEP_TIMEOUT the pool process exits (one line in the log), the worker starts
+    another, which runs the shard again with new ranks, and the job completes with the
+    outputs of a TP=1 run, every row once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchspec.jobs.store import JobStore
+    model, _, _, folder = tp_job
+    src = folder / "long.parquet"
+    pq.write_table(pa.table({"id": [f"l{i}" for i in range(8)],
+                             "prompt": [f"row {i} of a long job" for i in range(8)]}), src)
+    args = [src, "--model", model, "--max-tokens", 160, "--shard-size", 2]
+    assert cli("run", *args, "-o", folder / "long1", "-q").returncode == 0
+    url = redis_server.rsplit("/", 1)[0] + "/1"
+    store = JobStore(url)
+    store.r.flushdb()
+    worker = start_worker("tp-stuck", url=url, BATCHSPEC_DEVICE="cpu,cpu",
+                          BATCHSPEC_STEP_TIMEOUT="3", BATCHSPEC_LEASE_TTL="6",
+                          BATCHSPEC_LEASE_RENEW="1", BATCHSPEC_CHECK_INTERVAL="1")
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "batchspec.cli", "submit", *map(str, args), "-o",
+         str(folder / "stuck"), "--wait", "-q", "--broker", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = []
+    try:
+        job_id = wait_until(lambda: [j["job_id"] for j in store.recent(1)], 60, "the job")[0]
+        wait_until(lambda: store.running_progress(job_id) and rank_processes(model), 120,
+                   "a shard generating on two ranks", 0.02)
+        stopped = rank_processes(model)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        _, stderr = waiting.communicate(timeout=240)
+        assert waiting.returncode == 0, stderr + worker.tail()
+        assert "this process is stuck" in worker.tail(100000)
+        assert outputs(folder / "stuck") == outputs(folder / "long1")
+        assert max(store.attempts(job_id, s) for s in store.shard_states(job_id)) == 2
+    finally:
+        for pid in stopped:       # (woken, a rank whose rank 0 is gone exits)
+            os.kill(pid, signal.SIGCONT)
+        if waiting.poll() is None:
+            waiting.kill()
+    assert wait_gone(stopped, timeout=10) == []
+    worker.stop()
+
+
+@pytest.mark.slow
 def test_a_rank_killed_during_run_is_one_line_and_the_job_resumes(tp_job):
     """kill -9 of rank 1 while `batchspec run --tensor-parallel-size 2` decodes (rows of
     staggered lengths: the first shard is written while the others still run): one line on

@@ -443,6 +443,9 @@ def worker(ctx, device, tensor_parallel_size, concurrency, pool, loglevel, hostn
 
     from batchspec.config import check_device, rank_devices
     from batchspec.jobs.celery_app import QUEUE, use_broker
+    from batchspec.jobs.lease import check_interval, lease_renew, lease_ttl, step_timeout
+    for setting in (lease_ttl, lease_renew, check_interval, step_timeout):
+        setting()        # a malformed BATCHSPEC_* setting fails here, in one line
     if tensor_parallel_size is not None:  # the worker's devices decide the ranks of its jobs
         if tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")

@@ -11,14 +11,25 @@ Settings (environment, seconds):
   BATCHSPEC_LEASE_TTL       how long a lease lives without renewal [30]
   BATCHSPEC_LEASE_RENEW     how often its worker renews it [5]
   BATCHSPEC_CHECK_INTERVAL  how often each worker (and beat) checks the active jobs [10]
-A dead worker's shard is re-queued within TTL + CHECK_INTERVAL of its last renewal."""
+  BATCHSPEC_STEP_TIMEOUT    how long one engine step may run before the worker process
+                            running it is taken as stuck and exits [600]
+A dead worker's shard is re-queued within TTL + CHECK_INTERVAL of its last renewal.
+
+A lease proves that its process lives, not that it gets anywhere: a step stuck for good (a
+collective waiting on a stopped tensor-parallel rank, a hung device) would hold its shard,
+and the job, forever. So the thread that renews a lease also watches the process's engine
+step (STEPS), and one stuck past the step timeout exits the process: a prefork worker's
+parent starts another, which runs the shard again (a new attempt); a solo worker is gone
+and the shard is re-queued when its lease expires."""
 from __future__ import annotations
 
 import logging
 import os
 import socket
 import threading
+import time
 import uuid
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +58,37 @@ def lease_renew() -> float:
 
 def check_interval() -> float:
     return _seconds("BATCHSPEC_CHECK_INTERVAL", 10.0)
+
+
+def step_timeout() -> float:
+    return _seconds("BATCHSPEC_STEP_TIMEOUT", 600.0)
+
+
+# Exit status of a worker process whose engine step was stuck past the step timeout.
+STUCK_EXIT = 70
+
+
+class StepClock:
+    """When the engine step now running in this process began (None between steps), for
+    the leases' watchdog."""
+
+    def __init__(self):
+        self.since: float | None = None
+
+    @contextmanager
+    def step(self):
+        self.since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.since = None
+
+    def running_for(self) -> float:
+        since = self.since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+STEPS = StepClock()
 
 
 def _machine() -> str:
@@ -145,7 +187,15 @@ class Lease:
         return False
 
     def _run(self) -> None:
+        timeout = step_timeout()
         while not self._stop.wait(self.renew):
+            stuck = STEPS.running_for()
+            if stuck > timeout:
+                log.error("an engine step has run for %.0f s (BATCHSPEC_STEP_TIMEOUT=%.0f): "
+                          "this process is stuck; it exits so that shard %s of job %s and "
+                          "the others run again", stuck, timeout, self.shard_id, self.job_id)
+                logging.shutdown()
+                os._exit(STUCK_EXIT)
             try:
                 if not self.store.renew_lease(self.job_id, self.shard_id, self.token,
                                               self.ttl):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchspec.jobs import metrics
+from batchspec.jobs.lease import STEPS
 from batchspec.jobs.outputs import (
     output_fs,
     read_outputs_for_seed,
@@ -138,7 +139,8 @@ class ShardDriver:
         """One engine step: (shards ended in it, requests finished in it)."""
         try:
             t0 = time.perf_counter()
-            finished, n = self.llm.step()
+            with STEPS.step():      # (watched by the leases: batchspec.jobs.lease)
+                finished, n = self.llm.step()
             metrics.on_step(self.llm, time.perf_counter() - t0)
         except Exception:
             if self.llm.engine.closed:  # a tensor-parallel target broke: nothing to replay on
