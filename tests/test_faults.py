@@ -473,3 +473,32 @@ def test_cancelling_a_job_no_worker_runs_ends_it(redis_server, tmp_path, tiny_ll
     assert not store.active_jobs()
     r = batchspec(url, "cancel", job_id)
     assert r.returncode == 0 and r.stdout.strip() == "cancelled"
+
+
+def test_a_finalizer_that_died_is_replaced(redis_server, tmp_path, tiny_llama):
+    """A job whose every shard has ended but whose finalizer died (its worker killed while
+    writing `_job.json`) stays `finalizing` while that claim is fresh; once it is 60 s old,
+    the next check (here `batchspec status`) finalizes the job from its files."""
+    from batchspec.jobs.runner import plan_job, run_local
+    from batchspec.jobs.spec import JobSpec
+    url = redis_server.rsplit("/", 1)[0] + "/14"  # own database
+    store = JobStore(url)
+    store.r.flushdb()
+    inputs = write_rows(tmp_path / "in.parquet", [f"a b {i}" for i in range(4)], [4] * 4)
+    out = tmp_path / "out"
+    spec = JobSpec(inputs=inputs, output=str(out), model=tiny_llama, max_tokens=4,
+                   shard_size=2)
+    run_local(spec, progress=False)                 # the shards' files, as workers wrote them
+    (out / "_job.json").unlink()
+    (out / "_SUCCESS").unlink()
+    shards = plan_job(spec)
+    store.create("j", spec.to_dict(), shards)
+    ended = [store.start_attempt("j", s.id, f"w{s.id}") and
+             store.finish_shard("j", s.id, "completed", 2, 0, 8) for s in shards]
+    assert ended == [0, 1] and store.get("j")["state"] == "finalizing"   # ... then it died
+    assert batchspec(url, "status", "j").returncode == 0
+    assert store.get("j")["state"] == "finalizing" and not (out / "_job.json").exists()
+    store.set_fields("j", finalizing_since=time.time() - 61)
+    assert batchspec(url, "status", "j").returncode == 0
+    assert store.get("j")["state"] == "completed" and (out / "_SUCCESS").exists()
+    assert json.loads((out / "_job.json").read_text())["counts"]["requests_completed"] == 4
