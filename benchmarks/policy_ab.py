@@ -13,7 +13,9 @@ methods in separate engines too, but compares only the tree it runs from.
 
 --speculation-leads pairs the tree's policy with itself held in speculation's lead (plain
 never takes it back; each step still runs the plan the policy weighs best, which may be
-plain): what speculating would make where the policy keeps plain.
+plain): what speculating would make where the policy keeps plain. --plain-leads pairs it
+with itself held in plain's lead (speculation is never tried): what the adaptive engine
+costs beside a plain engine when it never speculates, and what its tries cost.
 """
 from __future__ import annotations
 
@@ -68,11 +70,28 @@ def held_in_speculation():
     return Held
 
 
+def held_in_plain():
+    """The tree's SpecPolicy, made never to leave plain: speculation's corrected rate is
+    taken as far below plain's, and it is never tried (plans are still weighed at the
+    policy's intervals, as while plain leads)."""
+    from batchspec.spec import policy
+
+    class Held(policy.SpecPolicy):
+        def _slowdown(self, speculate: bool) -> float:
+            return 1e9 if speculate else super()._slowdown(speculate)
+
+        def _may_explore(self) -> bool:
+            return False
+    return Held
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", help="git revision of the other policy")
     ap.add_argument("--speculation-leads", action="store_true",
                     help="pair with the tree's policy held in speculation's lead instead")
+    ap.add_argument("--plain-leads", action="store_true",
+                    help="pair with the tree's policy held in plain's lead instead")
     ap.add_argument("--method", default="suffix-adaptive",
                     help="an adaptive method of batchspec bench (default suffix-adaptive)")
     ap.add_argument("--batch-size", type=int, default=32)
@@ -82,8 +101,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args()
-    if bool(args.against) == args.speculation_leads:
-        ap.error("give either --against REV or --speculation-leads")
+    if bool(args.against) + args.speculation_leads + args.plain_leads != 1:
+        ap.error("give one of --against REV, --speculation-leads, --plain-leads")
     if not args.method.endswith(("-adaptive", "-routed")):
         ap.error(f"{args.method} has no adaptive policy: give a method ending in "
                  "-adaptive or -routed")
@@ -92,9 +111,10 @@ def main() -> int:
     from batchspec.demo import demo_models
     from batchspec.tools import hfref
     from batchspec.tools.bench import load_prompts, make_llm, run_engines_in_turns
-    other = "speculation-leads" if args.speculation_leads else args.against
-    policy_class = held_in_speculation() if args.speculation_leads \
-        else load_policy_at(args.against).SpecPolicy
+    other = "speculation-leads" if args.speculation_leads else \
+        "plain-leads" if args.plain_leads else args.against
+    policy_class = held_in_speculation() if args.speculation_leads else \
+        held_in_plain() if args.plain_leads else load_policy_at(args.against).SpecPolicy
     torch.set_num_threads(1)
     models = demo_models()
     n = args.num_prompts or max(64, 8 * args.batch_size)
