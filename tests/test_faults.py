@@ -502,3 +502,26 @@ def test_a_finalizer_that_died_is_replaced(redis_server, tmp_path, tiny_llama):
     assert batchspec(url, "status", "j").returncode == 0
     assert store.get("j")["state"] == "completed" and (out / "_SUCCESS").exists()
     assert json.loads((out / "_job.json").read_text())["counts"]["requests_completed"] == 4
+
+
+def test_beat_removes_a_damaged_schedule_file_in_one_line(redis_server, tmp_path):
+    """A schedule file left damaged (beat killed while writing it) is removed with one line
+    on stderr and beat starts; no traceback (Celery removes it too, logging one)."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "n.yaml").write_text(
+        "name: n\nschedule: every 1h\ninputs: [in/*.parquet]\noutput: out/{date}\n")
+    (tmp_path / "celerybeat-schedule").write_bytes(bytes(range(256)) * 12)
+    log = tmp_path / "beat.log"
+    with open(log, "wb") as f:
+        beat = subprocess.Popen([sys.executable, "-m", "batchspec.cli", "beat", "--broker",
+                                 redis_server.rsplit("/", 1)[0] + "/15"], cwd=tmp_path,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: b"beat: Starting" in log.read_bytes(), 60, "beat to start", 0.1)
+    finally:
+        os.killpg(beat.pid, signal.SIGTERM)
+        beat.wait(30)
+    text = log.read_text()
+    assert "the schedule file celerybeat-schedule was damaged (ValueError: not a database " \
+           "file); removed: each schedule's next run counts from now" in text
+    assert "Traceback" not in text and "corrupted" not in text

@@ -10,9 +10,11 @@ BATCHSPEC_* environment variables. What a job computes (inputs, sampling, templa
 given explicitly, so a stale variable never changes a job's outputs silently."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
+import os
 import re
 import sys
 import time
@@ -439,8 +441,6 @@ def cancel(ctx, job_id):
 def worker(ctx, device, tensor_parallel_size, concurrency, pool, loglevel, hostname,
            metrics_port, stream):
     """Start a Celery worker that runs shards."""
-    import os
-
     from batchspec.config import check_device, rank_devices
     from batchspec.jobs.celery_app import QUEUE, use_broker
     from batchspec.jobs.lease import check_interval, lease_renew, lease_ttl, step_timeout
@@ -484,7 +484,30 @@ def beat(ctx, jobs_dir, schedule_file, loglevel):
     app.conf.beat_schedule = load_schedules(jobs_dir)
     for name, entry in app.conf.beat_schedule.items():
         click.echo(f"{name}: {entry['schedule']} -> {entry['args'][0]}", err=True)
+    _clear_damaged_schedule(schedule_file)
     app.Beat(schedule=schedule_file, loglevel=loglevel).run()
+
+
+def _clear_damaged_schedule(path: str) -> None:
+    """Remove a schedule file left damaged (beat killed while writing it, a disk error),
+    with one line saying so: each entry's next run then counts from now. Celery removes
+    one too, but logs a traceback as it does."""
+    import dbm
+    import shelve
+    kind = dbm.whichdb(path)
+    if kind is None:            # none yet (or not readable: beat says why)
+        return
+    try:
+        if not kind:
+            raise ValueError("not a database file")
+        with shelve.open(path, flag="r") as db:
+            list(db.items())
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it goes
+        for suffix in ("", ".db", ".dat", ".dir", ".bak"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path + suffix)
+        click.echo(f"the schedule file {path} was damaged ({type(e).__name__}: {e}); "
+                   f"removed: each schedule's next run counts from now", err=True)
 
 
 COMMANDS = [run, submit, status, jobs, cancel, worker, beat]
