@@ -350,3 +350,37 @@ def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
         with pytest.raises(ValueError, match=re.escape(f"{config / 'config.json'} is not valid")):
             EngineConfig(model=str(config), drafts={"code": str(layers), "docs": str(hidden)},
                          device="cpu")
+
+
+def test_inputs_rewritten_since_the_job_was_planned(tmp_path, tiny_llama):
+    """A job's plan records each input file's version (size and a hash of the Parquet
+    footer). A re-run into the same directory after an input was rewritten is refused in
+    one line (resuming would mix outputs of two versions of it); one after a copy or a
+    touch, which leave the rows as they were, resumes. A shard whose file was rewritten
+    while its job ran fails with the reason, not with other rows under the planned ids."""
+    from batchspec.jobs.runner import ShardDriver, plan_job
+    from batchspec.jobs.shards import InputChanged
+    from batchspec.jobs.spec import JobSpec
+    src, out = tmp_path / "in.parquet", tmp_path / "out"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["a b", "c d"]}), src)
+    assert run_job(src, out, tiny_llama).exit_code == 0
+    os.utime(src, (1, 1))                            # touched: the same rows
+    again = run_job(src, out, tiny_llama)
+    assert again.exit_code == 0 and "already complete" in again.stderr, again.output
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["e f", "g h"]}), src)
+    again = run_job(src, out, tiny_llama)
+    assert again.exit_code == 1 and "Traceback" not in again.output
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"Error: {out} holds a job planned on another version of its inputs ({src} changed "
+        f"since); resuming it would mix outputs of both. Pass --overwrite to start over on "
+        f"the new inputs")
+    assert run_job(src, out, tiny_llama, "--overwrite").exit_code == 0
+    # rewritten between the plan and the shard's run (a worker's view of it)
+    spec = JobSpec(inputs=str(src), output=str(tmp_path / "o2"), model=tiny_llama,
+                   max_tokens=4)
+    [shard] = plan_job(spec)
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["i j", "k l"]}), src)
+    from batchspec import LLM
+    driver = ShardDriver(spec, LLM(tiny_llama, device="cpu"), "j", contain_failures=False)
+    with pytest.raises(InputChanged, match=f"input {src} changed since its job was planned"):
+        driver.add(shard)

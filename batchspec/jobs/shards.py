@@ -8,6 +8,7 @@ it needs. Shard ids are positions in that plan: the same inputs
 and shard size always give the same ids, which is what makes re-running a job resume it."""
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -30,6 +31,9 @@ class Shard:
     duplicate_rows: tuple[int, ...] = ()   # rows (from start) whose id an earlier row has
     # text inputs (OpenAI Batch .jsonl): (byte offset, line number) of row `start`
     line_at: tuple[int, int] | None = None
+    # the input file's version when the job was planned (file_version); None in plans made
+    # before versions were recorded
+    version: str | None = None
 
     @property
     def id(self) -> str:
@@ -49,6 +53,8 @@ class Shard:
             del d["line_at"]
         else:
             d["line_at"] = list(self.line_at)
+        if self.version is None:
+            del d["version"]
         return d
 
     @classmethod
@@ -133,6 +139,50 @@ def split_row_groups(row_group_sizes: list[int], shard_size: int) -> list[tuple[
     return ranges
 
 
+class InputChanged(ValueError):
+    """An input file is not the version its job was planned on."""
+
+
+def file_version(path: str) -> str:
+    """What tells one version of an input file from another: its size and, for Parquet, a
+    hash of its footer (the schema and every row group's offsets, sizes and statistics),
+    which any rewrite of its rows changes while a copy or a `touch` does not; for other
+    files (OpenAI Batch .jsonl), its size and modification time or ETag."""
+    fs, p = fsspec.core.url_to_fs(path)
+    info = fs.info(p)
+    size = info.get("size")
+    if not openai_batch.is_openai_batch(path):
+        try:
+            with fs.open(p, "rb") as f:
+                f.seek(size - 8)
+                tail = f.read(8)
+                n = int.from_bytes(tail[:4], "little")
+                if tail[4:] == b"PAR1" and 0 < n <= size - 12:
+                    f.seek(size - 8 - n)
+                    return f"{size}:{hashlib.sha256(f.read(n)).hexdigest()[:16]}"
+        except (OSError, ValueError, TypeError):
+            pass
+    for key in ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified",
+                "last_modified", "updated"):
+        if info.get(key) is not None:
+            return f"{size}:{info[key]}"
+    return str(size)
+
+
+def check_version(shard: Shard) -> None:
+    """Raise InputChanged when the shard's input file is not the version it was planned on:
+    its rows would not be the planned ones (a file rewritten while its job ran, or before a
+    re-run resumed it)."""
+    if shard.version is None:
+        return
+    now = file_version(shard.path)
+    if now != shard.version:
+        raise InputChanged(
+            f"input {shard.path} changed since its job was planned (version {shard.version}, "
+            f"now {now}): its rows are not the planned ones. Submit the job again with "
+            f"--overwrite to start over on the new inputs")
+
+
 def plan_shards(files: list[str], shard_size: int,
                 check_schema=None) -> list[Shard]:
     """Shards of every file, in order. check_schema(path, arrow_schema), when given, raises
@@ -141,26 +191,29 @@ def plan_shards(files: list[str], shard_size: int,
         raise ValueError("shard_size must be >= 1")
     shards: list[Shard] = []
     for path, source in zip(files, _sources(files), strict=True):
+        version = file_version(path)
         if openai_batch.is_openai_batch(path):  # OpenAI Batch requests: ranges of lines
             if check_schema is not None:
                 check_schema(path, openai_batch.ROW_SCHEMA)
             total, starts = openai_batch.row_starts(path, shard_size)
             for (start, num_rows), at in zip(split_row_groups([total], shard_size), starts,
                                              strict=True):
-                shards.append(Shard(len(shards), path, source, start, num_rows, line_at=at))
+                shards.append(Shard(len(shards), path, source, start, num_rows, line_at=at,
+                                    version=version))
             continue
         pf = _open_parquet(path)
         if check_schema is not None:
             check_schema(path, pf.schema_arrow)
         sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
         for start, num_rows in split_row_groups(sizes, shard_size):
-            shards.append(Shard(len(shards), path, source, start, num_rows))
+            shards.append(Shard(len(shards), path, source, start, num_rows, version=version))
     return shards
 
 
 def read_shard(shard: Shard, columns: list[str] | None = None) -> pa.Table:
     """The shard's rows (of `columns`, default all), reading only the row groups that hold
-    them."""
+    them; InputChanged when its file is not the version it was planned on."""
+    check_version(shard)
     if openai_batch.is_openai_batch(shard.path):
         table = openai_batch.read_rows(shard.path, shard.start, shard.num_rows, shard.source,
                                        shard.line_at)

@@ -124,7 +124,19 @@ def check_output(spec_dict: dict, shards: list[Shard], overwrite: bool = False) 
     if old is None:
         return None
     plan = _plan(spec_dict, shards)
+    old_shards = old.get("shards") or []
+    if not any("version" in d for d in old_shards):   # (planned before versions were kept)
+        plan["shards"] = [{k: v for k, v in d.items() if k != "version"}
+                          for d in plan["shards"]]
     changed = [k for k in plan if old.get(k) != plan[k]]
+    if changed == ["shards"] and [{k: v for k, v in d.items() if k != "version"}
+                                  for d in old_shards] == \
+            [{k: v for k, v in d.items() if k != "version"} for d in plan["shards"]]:
+        files = sorted({d["path"] for d, now in zip(old_shards, plan["shards"])
+                        if d.get("version") != now.get("version")})
+        raise ValueError(f"{out} holds a job planned on another version of its inputs "
+                         f"({', '.join(files)} changed since); resuming it would mix outputs "
+                         f"of both. Pass --overwrite to start over on the new inputs")
     if changed:
         what = "inputs or shard size" if changed == ["shards"] else ", ".join(changed)
         raise ValueError(f"{out} holds a job with other {what}; resuming it would mix two "

@@ -40,7 +40,7 @@ from batchspec.jobs.runner import (
     plan_job,
     run_shard,
 )
-from batchspec.jobs.shards import Shard
+from batchspec.jobs.shards import InputChanged, Shard
 from batchspec.jobs.spec import JobSpec, load_yaml, new_job_id, resolve_paths
 from batchspec.jobs.states import FINAL, SHARD_ENDED
 from batchspec.jobs.store import JobStore, now_iso, output_busy
@@ -182,8 +182,9 @@ def give_back(job_id: str, shard: Shard, output: str, token: str, attempt: int,
     """A shard whose attempt raised: put it back to queued and send it again after a
     backoff, or, at its last attempt, end it failed. If Redis cannot be reached, the shard
     is recovered anyway: a running shard's lease expires, and a queued shard whose message
-    is missing is sent again by reconcile()."""
-    if attempt >= max_attempts:
+    is missing is sent again by reconcile(). An input file no longer the version the job
+    was planned on fails the shard at once: no retry would read the planned rows."""
+    if attempt >= max_attempts or isinstance(exc, InputChanged):
         return end_failed(job_id, output, shard, f"{type(exc).__name__}: {exc}")
     try:
         if worker_store().requeue(job_id, shard.id, token):
