@@ -384,3 +384,18 @@ def test_inputs_rewritten_since_the_job_was_planned(tmp_path, tiny_llama):
     driver = ShardDriver(spec, LLM(tiny_llama, device="cpu"), "j", contain_failures=False)
     with pytest.raises(InputChanged, match=f"input {src} changed since its job was planned"):
         driver.add(shard)
+
+
+def test_a_plan_made_before_input_versions_still_resumes(tmp_path, tiny_llama):
+    """A job directory whose `_plan.json` holds no input versions (planned before they were
+    recorded) resumes as it did: the plans are compared without them."""
+    src, out = tmp_path / "in.parquet", tmp_path / "out"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["a b", "c d"]}), src)
+    assert run_job(src, out, tiny_llama).exit_code == 0
+    plan = json.loads((out / "_plan.json").read_text())
+    assert all("version" in s for s in plan["shards"])
+    for s in plan["shards"]:
+        del s["version"]
+    (out / "_plan.json").write_text(json.dumps(plan))
+    again = run_job(src, out, tiny_llama)
+    assert again.exit_code == 0 and "already complete" in again.stderr, again.output
