@@ -174,7 +174,8 @@ class ShardDriver:
                 alone = self.llm.add([work.requests[i]])[0]
                 try:
                     while not alone.is_finished:
-                        _, n = self.llm.step()
+                        with STEPS.step():
+                            _, n = self.llm.step()
                         self.num_tokens += n
                     work.seqs[i] = alone
                 except Exception as e:  # noqa: BLE001 - this row broke the step
