@@ -525,3 +525,22 @@ def test_beat_removes_a_damaged_schedule_file_in_one_line(redis_server, tmp_path
     assert "the schedule file celerybeat-schedule was damaged (ValueError: not a database " \
            "file); removed: each schedule's next run counts from now" in text
     assert "Traceback" not in text and "corrupted" not in text
+
+
+def test_a_full_redis_refuses_submit_in_one_line(redis_server, tmp_path, tiny_llama):
+    """A Redis at its maxmemory (noeviction, as docs/operations.md recommends) refuses the
+    job's record: `submit` says so in one line, exit 1, and writes nothing to OUT."""
+    url = redis_server.rsplit("/", 1)[0] + "/13"
+    client = redis.Redis.from_url(url)
+    path = write_rows(tmp_path / "m.parquet", ["a b c"], [4])
+    out = tmp_path / "out"
+    old = client.config_get("maxmemory")["maxmemory"]
+    client.config_set("maxmemory", 1)              # every write now exceeds it
+    try:
+        r = batchspec(url, "submit", path, "-o", out, "--model", tiny_llama)
+    finally:
+        client.config_set("maxmemory", old)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"Error: Redis at {url} is full (used memory > maxmemory) and refuses writes"), r.stderr
+    assert not out.exists()

@@ -133,6 +133,16 @@ def redis_problem(e: Exception) -> str | None:
         why = "connection refused" if "refused" in text else str(e).strip().rstrip(".")
         return (f"cannot reach Redis at {url} ({why}): start redis-server, or pass --broker "
                 f"/ set BATCHSPEC_REDIS_URL")
+    if isinstance(e, redis.exceptions.OutOfMemoryError) or "used memory > 'maxmemory'" in text:
+        return (f"Redis at {url} is full (used memory > maxmemory) and refuses writes: raise "
+                f"its maxmemory, or free memory there (ended jobs' records expire after "
+                f"BATCHSPEC_JOB_TTL_DAYS)")
+    if isinstance(e, redis.exceptions.ReadOnlyError) or text.startswith("readonly"):
+        return (f"Redis at {url} is a read-only replica: point --broker / BATCHSPEC_REDIS_URL "
+                f"at its master (or use sentinel://)")
+    if text.startswith("misconf"):
+        return (f"Redis at {url} refuses writes because it cannot save its data to disk "
+                f"({str(e).strip()[:120]}): free its disk or fix its `dir`")
     if isinstance(e, ValueError) and ("redis url" in text or text.startswith("port ")):
         return (f"invalid Redis URL {url} ({e}): use redis://HOST:PORT/DB (or rediss://, "
                 f"unix://, sentinel://)")
