@@ -101,9 +101,17 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 
 
 def _open_parquet(path: str) -> pq.ParquetFile:
+    return _open_versioned(path, versioned=False)[0]
+
+
+def _open_versioned(path: str, versioned: bool = True) -> tuple[pq.ParquetFile, str | None]:
+    """The Parquet file and, if `versioned`, its version (file_version), from one open of
+    it."""
     fs, p = fsspec.core.url_to_fs(path)
     try:
-        return pq.ParquetFile(fs.open(p, "rb"))
+        f = fs.open(p, "rb")
+        version = _version(fs.info(p), f) if versioned else None
+        return pq.ParquetFile(f), version
     except (pa.ArrowInvalid, OSError) as e:
         raise ValueError(f"input {path!r} is not a readable Parquet file: {e}") from e
 
@@ -149,19 +157,22 @@ def file_version(path: str) -> str:
     which any rewrite of its rows changes while a copy or a `touch` does not; for other
     files (OpenAI Batch .jsonl), its size and modification time or ETag."""
     fs, p = fsspec.core.url_to_fs(path)
-    info = fs.info(p)
+    if openai_batch.is_openai_batch(path):
+        return _version(fs.info(p))
+    with fs.open(p, "rb") as f:
+        return _version(fs.info(p), f)
+
+
+def _version(info: dict, f=None) -> str:
+    """file_version from the file's info and, for Parquet, its open handle `f`."""
     size = info.get("size")
-    if not openai_batch.is_openai_batch(path):
-        try:
-            with fs.open(p, "rb") as f:
-                f.seek(size - 8)
-                tail = f.read(8)
-                n = int.from_bytes(tail[:4], "little")
-                if tail[4:] == b"PAR1" and 0 < n <= size - 12:
-                    f.seek(size - 8 - n)
-                    return f"{size}:{hashlib.sha256(f.read(n)).hexdigest()[:16]}"
-        except (OSError, ValueError, TypeError):
-            pass
+    if f is not None and size is not None and size >= 12:
+        f.seek(size - 8)
+        tail = f.read(8)
+        n = int.from_bytes(tail[:4], "little")
+        if tail[4:] == b"PAR1" and 0 < n <= size - 12:
+            f.seek(size - 8 - n)
+            return f"{size}:{hashlib.sha256(f.read(n)).hexdigest()[:16]}"
     for key in ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified",
                 "last_modified", "updated"):
         if info.get(key) is not None:
@@ -169,13 +180,13 @@ def file_version(path: str) -> str:
     return str(size)
 
 
-def check_version(shard: Shard) -> None:
-    """Raise InputChanged when the shard's input file is not the version it was planned on:
-    its rows would not be the planned ones (a file rewritten while its job ran, or before a
-    re-run resumed it)."""
+def check_version(shard: Shard, now: str | None = None) -> None:
+    """Raise InputChanged when the shard's input file (whose version is `now`, read here
+    when not given) is not the version it was planned on: its rows would not be the planned
+    ones (a file rewritten while its job ran, or before a re-run resumed it)."""
     if shard.version is None:
         return
-    now = file_version(shard.path)
+    now = file_version(shard.path) if now is None else now
     if now != shard.version:
         raise InputChanged(
             f"input {shard.path} changed since its job was planned (version {shard.version}, "
@@ -191,8 +202,8 @@ def plan_shards(files: list[str], shard_size: int,
         raise ValueError("shard_size must be >= 1")
     shards: list[Shard] = []
     for path, source in zip(files, _sources(files), strict=True):
-        version = file_version(path)
         if openai_batch.is_openai_batch(path):  # OpenAI Batch requests: ranges of lines
+            version = file_version(path)
             if check_schema is not None:
                 check_schema(path, openai_batch.ROW_SCHEMA)
             total, starts = openai_batch.row_starts(path, shard_size)
@@ -201,7 +212,7 @@ def plan_shards(files: list[str], shard_size: int,
                 shards.append(Shard(len(shards), path, source, start, num_rows, line_at=at,
                                     version=version))
             continue
-        pf = _open_parquet(path)
+        pf, version = _open_versioned(path)
         if check_schema is not None:
             check_schema(path, pf.schema_arrow)
         sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
@@ -213,13 +224,14 @@ def plan_shards(files: list[str], shard_size: int,
 def read_shard(shard: Shard, columns: list[str] | None = None) -> pa.Table:
     """The shard's rows (of `columns`, default all), reading only the row groups that hold
     them; InputChanged when its file is not the version it was planned on."""
-    check_version(shard)
     if openai_batch.is_openai_batch(shard.path):
+        check_version(shard)
         table = openai_batch.read_rows(shard.path, shard.start, shard.num_rows, shard.source,
                                        shard.line_at)
         return table if columns is None else table.select(
             [c for c in columns if c in table.column_names])
-    pf = _open_parquet(shard.path)
+    pf, version = _open_versioned(shard.path)
+    check_version(shard, version)
     first = offset = 0
     groups = []
     end = shard.start + shard.num_rows

@@ -92,6 +92,11 @@ def _plan(spec_dict: dict, shards: list[Shard]) -> dict:
             **{k: spec_dict[k] for k in OUTPUT_SETTINGS}}
 
 
+def _unversioned(shards: list[dict]) -> list[dict]:
+    """Shards of a plan without their input files' versions."""
+    return [{k: v for k, v in d.items() if k != "version"} for d in shards]
+
+
 def _read_json(fs, path: str) -> dict | None:
     if not fs.exists(path):
         return None
@@ -126,12 +131,9 @@ def check_output(spec_dict: dict, shards: list[Shard], overwrite: bool = False) 
     plan = _plan(spec_dict, shards)
     old_shards = old.get("shards") or []
     if not any("version" in d for d in old_shards):   # (planned before versions were kept)
-        plan["shards"] = [{k: v for k, v in d.items() if k != "version"}
-                          for d in plan["shards"]]
+        plan["shards"] = _unversioned(plan["shards"])
     changed = [k for k in plan if old.get(k) != plan[k]]
-    if changed == ["shards"] and [{k: v for k, v in d.items() if k != "version"}
-                                  for d in old_shards] == \
-            [{k: v for k, v in d.items() if k != "version"} for d in plan["shards"]]:
+    if changed == ["shards"] and _unversioned(old_shards) == _unversioned(plan["shards"]):
         files = sorted({d["path"] for d, now in zip(old_shards, plan["shards"])
                         if d.get("version") != now.get("version")})
         raise ValueError(f"{out} holds a job planned on another version of its inputs "
