@@ -553,3 +553,49 @@ def test_a_redis_that_refuses_writes_fails_submit_in_one_line(redis_server, tmp_
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert any(ln.startswith(line) for ln in r.stderr.splitlines()), r.stderr
     assert not out.exists(), r.stderr
+
+
+def test_a_submit_killed_while_preparing_its_directory_ends_failed(redis_server, tmp_path,
+                                                                   tiny_llama):
+    """A job is recorded before its output directory is cleared (`--overwrite`) and claimed,
+    and stays `preparing` until then: no check sends its shards' tasks, which would run on
+    the old job's files. One whose submit was killed in between ends failed after
+    PREPARE_TIMEOUT_S, with the old files untouched and the directory free again; a submit
+    that finishes leaves no trace of it."""
+    from batchspec.jobs.celery_app import QUEUE
+    from batchspec.jobs.runner import plan_job
+    from batchspec.jobs.spec import JobSpec
+    from batchspec.jobs.tasks import PREPARE_TIMEOUT_S
+    url = redis_server.rsplit("/", 1)[0] + "/14"  # own database: no worker serves it
+    store = JobStore(url)
+    store.r.flushdb()
+    inputs = write_rows(tmp_path / "in.parquet", ["a b c", "d e f"], [4, 4])
+    out = tmp_path / "out"
+    (out / "outputs").mkdir(parents=True)
+    old = out / "outputs" / "part-00000.parquet"
+    old.write_bytes(b"the old job's outputs")
+    spec = JobSpec(inputs=inputs, output=str(out), model=tiny_llama, max_tokens=4)
+    # what a `submit --overwrite` killed right after recording its job leaves
+    store.create("killed", spec.to_dict(), plan_job(spec), preparing=True)
+    # checks a check interval apart, each of which would send the tasks no message carries
+    checks = subprocess.run(
+        [sys.executable, "-c", "import sys, time\nfrom batchspec.jobs.tasks import reconcile\n"
+         "for _ in range(3):\n    print(reconcile('killed'))\n    time.sleep(0.05)"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "BATCHSPEC_REDIS_URL": url, "BATCHSPEC_CHECK_INTERVAL": "0.01"})
+    assert checks.stdout.split() == ["queued"] * 3, checks.stderr
+    assert store.r.llen(QUEUE) == 0
+    store.r.hset("batchspec:job:killed", "preparing_since",
+                 time.time() - PREPARE_TIMEOUT_S - 1)
+    r = batchspec(url, "status", "killed")
+    assert r.returncode == 0 and store.get("killed")["state"] == "failed", r.stdout
+    assert "its submit stopped before the output directory was ready" in r.stdout
+    assert store.r.llen(QUEUE) == 0 and not store.active_jobs()
+    assert old.read_bytes() == b"the old job's outputs"
+    # the same submit, finished this time
+    r = batchspec(url, "submit", inputs, "-o", out, "--model", tiny_llama, "--max-tokens", 4,
+                  "--overwrite")
+    job_id = r.stdout.strip().splitlines()[-1]
+    assert r.returncode == 0 and store.preparing_for(job_id) is None, r.stderr
+    assert store.r.llen(QUEUE) == 1 and store.get(job_id)["state"] == "queued"
+    assert not old.exists() and (out / "_plan.json").exists()

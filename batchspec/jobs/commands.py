@@ -336,7 +336,7 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
         # Ctrl-C once the job is recorded (its shards' tasks being sent, or while waiting)
         # stops this command, not the job: shards whose tasks were not sent yet are sent by
         # the workers' periodic check
-        if store.job_field(job_id, "state") is None:
+        if store.job_field(job_id, "state") in (None, "failed"):  # (while OUT was prepared)
             raise click.Abort() from None
         raise click.ClickException(
             f"interrupted; job {job_id} goes on in the workers: follow it with "

@@ -208,18 +208,23 @@ class JobStore:
     def _key(self, job_id: str, part: str = "") -> str:
         return f"{PREFIX}job:{job_id}" + (f":{part}" if part else "")
 
-    def create(self, job_id: str, spec: dict, shards: list[Shard]) -> None:
+    def create(self, job_id: str, spec: dict, shards: list[Shard],
+               preparing: bool = False) -> None:
         """Record a new job, queued, among the active ones; raises OutputBusy when an active
         job writes to the same output directory. The check and the record are one
         transaction (WATCH on the active set, retried when a job starts or ends in between):
         of two submits into one directory in the same instant, one is refused, where checked
-        apart both ran and computed every shard twice."""
+        apart both ran and computed every shard twice. `preparing`: its submitter still
+        prepares the output directory (`prepared` says when it is done); until then no check
+        sends its shards' tasks."""
         output = spec["output"]
         fields = {"job_id": job_id, "state": "queued", "spec": json.dumps(spec),
                   "output": output, "created_at": now_iso(),
                   **{c: 0 for c in COUNTERS},
                   "shards_total": len(shards),
                   "requests_total": sum(s.num_rows for s in shards)}
+        if preparing:
+            fields["preparing_since"] = dt.datetime.now(dt.UTC).timestamp()
         plan = {s.id: json.dumps(s.to_dict()) for s in shards}
         with self.r.pipeline() as pipe:
             while True:
@@ -240,6 +245,15 @@ class JobStore:
                     return
                 except redis.WatchError:
                     continue
+
+    def prepared(self, job_id: str) -> None:
+        """The job's output directory is ready (create(preparing=True))."""
+        self.r.hdel(self._key(job_id), "preparing_since")
+
+    def preparing_for(self, job_id: str) -> float | None:
+        """Seconds since a job still being prepared was recorded, or None."""
+        since = self.r.hget(self._key(job_id), "preparing_since")
+        return None if since is None else dt.datetime.now(dt.UTC).timestamp() - float(since)
 
     def create_failed(self, job_id: str, output: str, error: str, ttl_s: int) -> None:
         """The record of a job that could not be submitted (a beat firing whose inputs are

@@ -55,6 +55,9 @@ _stores: dict[tuple[str, float], JobStore] = {}
 WORKER_REDIS_RETRY_S = 40.0
 # Longest wait before a failed shard's next attempt (2 ** attempt seconds, capped).
 RETRY_BACKOFF_MAX_S = 60
+# How long a job recorded by a submit may stay `preparing` (its output directory cleared
+# and claimed: milliseconds) before a check takes its submitter for dead (submit_job).
+PREPARE_TIMEOUT_S = 60
 
 
 def get_store(retry_s: float = 0) -> JobStore:
@@ -516,22 +519,26 @@ def submit_job(spec: JobSpec, shards: list | None = None, overwrite: bool = Fals
     The record comes first: JobStore.create claims the output directory in one transaction
     (OutputBusy when an active job writes there), and only then are its files cleared and
     its plan written. Cleared before the record, a `submit --overwrite` that lost the claim
-    to a job started in the same instant had already removed that job's outputs. A failure
-    between the record and the tasks (the directory cannot be cleared or written) ends the
-    job failed with the reason, so that it does not hold the directory."""
+    to a job started in the same instant had already removed that job's outputs. Until the
+    directory is ready the job is `preparing`: no check sends its tasks, which would run on
+    the old job's files, and one whose submitter died meanwhile is ended failed by reconcile
+    after PREPARE_TIMEOUT_S. A failure in between (the directory cannot be cleared or
+    written, Ctrl-C) ends the job failed with the reason at once, so that it does not hold
+    the directory."""
     spec.job_id = spec.job_id or new_job_id(spec.name)
     shards = plan_job(spec) if shards is None else shards
     check_output(spec.to_dict(), shards, overwrite=overwrite)     # read-only: raises first
     store = get_store()
-    store.create(spec.job_id, spec.to_dict(), shards)
+    store.create(spec.job_id, spec.to_dict(), shards, preparing=True)
     try:
         if overwrite:
             clear_output(spec.output)
         claim_output(spec.to_dict(), shards)
-    except Exception as e:
+    except BaseException as e:
         store.set_final(spec.job_id, state="failed", finished_at=now_iso(),
                         error=f"could not prepare {spec.output}: {type(e).__name__}: {e}")
         raise
+    store.prepared(spec.job_id)
     for shard in shards:
         run_shard_task.apply_async((spec.job_id, shard.id))
     if not shards:
@@ -641,6 +648,14 @@ def reconcile(job_id: str, store: JobStore | None = None) -> str | None:
     if state is None or state in FINAL:
         store.drop_active(job_id)
         return state
+    preparing = store.preparing_for(job_id)
+    if preparing is not None:       # its submitter prepares the output directory (submit_job)
+        if preparing < PREPARE_TIMEOUT_S:
+            return state
+        store.set_final(job_id, state="failed", finished_at=now_iso(),
+                        error="its submit stopped before the output directory was ready (the "
+                              "command was killed?); nothing ran: submit the job again")
+        return "failed"
     states = store.shard_states(job_id)
     running = [s for s, st in states.items() if st == "running"]
     output = store.job_field(job_id, "output")
