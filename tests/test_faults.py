@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -498,7 +499,7 @@ def test_a_finalizer_that_died_is_replaced(redis_server, tmp_path, tiny_llama):
     assert ended == [0, 1] and store.get("j")["state"] == "finalizing"   # ... then it died
     assert batchspec(url, "status", "j").returncode == 0
     assert store.get("j")["state"] == "finalizing" and not (out / "_job.json").exists()
-    store.set_fields("j", finalizing_since=time.time() - 61)
+    store.set_fields("j", finalizing_since=store.now().timestamp() - 61)
     assert batchspec(url, "status", "j").returncode == 0
     assert store.get("j")["state"] == "completed" and (out / "_SUCCESS").exists()
     assert json.loads((out / "_job.json").read_text())["counts"]["requests_completed"] == 4
@@ -586,7 +587,7 @@ def test_a_submit_killed_while_preparing_its_directory_ends_failed(redis_server,
     assert checks.stdout.split() == ["queued"] * 3, checks.stderr
     assert store.r.llen(QUEUE) == 0
     store.r.hset("batchspec:job:killed", "preparing_since",
-                 time.time() - PREPARE_TIMEOUT_S - 1)
+                 store.now().timestamp() - PREPARE_TIMEOUT_S - 1)
     r = batchspec(url, "status", "killed")
     assert r.returncode == 0 and store.get("killed")["state"] == "failed", r.stdout
     assert "its submit stopped before the output directory was ready" in r.stdout
@@ -599,3 +600,56 @@ def test_a_submit_killed_while_preparing_its_directory_ends_failed(redis_server,
     assert r.returncode == 0 and store.preparing_for(job_id) is None, r.stderr
     assert store.r.llen(QUEUE) == 1 and store.get(job_id)["state"] == "queued"
     assert not old.exists() and (out / "_plan.json").exists()
+
+
+FAKETIME = shutil.which("faketime")
+
+
+@pytest.mark.skipif(FAKETIME is None, reason="needs faketime (make install-test installs it)")
+def test_hosts_whose_clocks_disagree_agree_on_a_jobs_times(redis_server, tmp_path, tiny_llama):
+    """Every time the job store keeps or measures comes from Redis' clock: `batchspec status`
+    run on a host whose clock is 5 minutes ahead or behind (libfaketime) leaves a job that
+    is still being prepared, or being finalized, to the process doing it, and shows a running
+    job's tokens/s as any host does. Before, the host ahead ended the preparing job failed
+    and took the finalization over, and the host behind showed 6e13 tokens/s."""
+    from batchspec.jobs.runner import plan_job
+    from batchspec.jobs.spec import JobSpec
+    url = redis_server.rsplit("/", 1)[0] + "/14"  # own database: no worker serves it
+    store = JobStore(url)
+    store.r.flushdb()
+
+    def status_from(offset: str, job_id: str) -> dict:
+        r = subprocess.run([FAKETIME, offset, sys.executable, "-m", "batchspec.cli", "status",
+                            job_id, "--json"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "BATCHSPEC_REDIS_URL": url,
+                                "FAKETIME_DONT_FAKE_MONOTONIC": "1"})
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    inputs = write_rows(tmp_path / "in.parquet", ["a b c", "d e f"], [4, 4])
+    spec = JobSpec(inputs=inputs, output=str(tmp_path / "out"), model=tiny_llama,
+                   max_tokens=4, shard_size=1)
+    # a job its submitter is still preparing (clearing and claiming its directory)
+    store.create("preparing", spec.to_dict(), plan_job(spec), preparing=True)
+    for offset in ("+5 minutes", "-5 minutes"):
+        assert status_from(offset, "preparing")["state"] == "queued"
+    assert store.preparing_for("preparing") < 60
+    # a job whose last shard ended just now: its finalizer is at work
+    spec.output = str(tmp_path / "out2")
+    shards = plan_job(spec)
+    store.create("finalizing", spec.to_dict(), shards)
+    assert [store.start_attempt("finalizing", s.id, "w") and
+            store.finish_shard("finalizing", s.id, "completed", 1, 0, 4)
+            for s in shards] == [0, 1]
+    for offset in ("+5 minutes", "-5 minutes"):
+        assert status_from(offset, "finalizing")["state"] == "finalizing"
+    assert not store.claim_finalize("finalizing")       # a live claim holds for 60 s
+    # a running job, 1000 tokens in about 1 s
+    spec.output = str(tmp_path / "out3")
+    shards = plan_job(spec)
+    store.create("running", spec.to_dict(), shards)
+    assert store.start_attempt("running", shards[0].id, "w") == 1
+    store.progress("running", shards[0].id, "w", 0, 1000)
+    time.sleep(1.0)
+    for offset in ("+5 minutes", "-5 minutes"):
+        assert 300 < status_from(offset, "running")["tokens_per_s"] < 1000

@@ -210,10 +210,13 @@ def test_cancel_stops_the_job(worker, redis_server, store, slow_model, tmp_path)
                       "--shard-size", 1)
     assert again.returncode == 1 and f"job {job_id} is still running in {out}" in again.stderr
     # Ctrl-C on `submit --wait` stops the waiting, not the job, and says how to follow it
+    # (SIGINT as a terminal sends it: a suite started in the background of a non-interactive
+    # shell passes SIGINT on ignored, and Python then leaves it so)
     waiting = subprocess.Popen(
         [sys.executable, "-m", "batchspec.cli", "submit", str(path), "-o", str(tmp_path / "o2"),
          "--model", slow_model, "--wait", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "BATCHSPEC_REDIS_URL": redis_server})
+        text=True, env={**os.environ, "BATCHSPEC_REDIS_URL": redis_server},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_until(lambda: any(j["output"] == str(tmp_path / "o2") for j in store.recent(5)), 60,
                "the second job to be submitted", 0.1)
     waiting.send_signal(signal.SIGINT)

@@ -39,6 +39,8 @@ COUNTERS = ("shards_total", "shards_completed", "shards_failed", "shards_cancell
             "tokens_run", "requests_run")
 
 ENDED_LUA = "s == 'completed' or s == 'failed' or s == 'cancelled'"
+# Redis' clock in a script, epoch seconds (JobStore.now says why)
+NOW_LUA = "(function() local t = redis.call('TIME') return t[1] + t[2] / 1e6 end)()"
 
 # KEYS: job, state, attempts, lease, owner. ARGV: shard, now, token, ttl ms, the token of a
 # dead holder this worker may take over ('' for none).
@@ -94,7 +96,7 @@ return 1
 """
 
 # ARGV: shard, outcome (completed|failed|cancelled), requests ok, requests failed, tokens,
-# now, whether the shard ran ('1') or was found done ('0').
+# whether the shard ran ('1') or was found done ('0').
 # KEYS: job, state, progress, lease, owner. -2: no job record (a Redis that lost it: the
 # record is not rebuilt from counters alone).
 _FINISH = f"""
@@ -109,21 +111,21 @@ redis.call('HINCRBY', KEYS[1], 'shards_' .. ARGV[2], 1)
 redis.call('HINCRBY', KEYS[1], 'requests_completed', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'requests_failed', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'tokens_generated', ARGV[5])
-if ARGV[7] == '1' then
+if ARGV[6] == '1' then
   redis.call('HINCRBY', KEYS[1], 'tokens_run', ARGV[5])
   redis.call('HINCRBY', KEYS[1], 'requests_run', ARGV[3])
 end
 local c = redis.call('HMGET', KEYS[1], 'shards_total', 'shards_completed', 'shards_failed',
                      'shards_cancelled')
 if tonumber(c[2]) + tonumber(c[3]) + tonumber(c[4]) >= tonumber(c[1]) then
-  redis.call('HSET', KEYS[1], 'state', 'finalizing', 'finalizing_since', ARGV[6])
+  redis.call('HSET', KEYS[1], 'state', 'finalizing', 'finalizing_since', {NOW_LUA})
   return 1
 end
 return 0
 """
 
-# KEYS: job, state. ARGV: now (epoch s), seconds after which a finalizer that has not
-# finished is presumed dead. 1 when every shard has ended and the caller is to finalize.
+# KEYS: job, state. ARGV: seconds after which a finalizer that has not finished is presumed
+# dead. 1 when every shard has ended and the caller is to finalize.
 _CLAIM_FINALIZE = f"""
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'completed' or st == 'completed_with_errors' or st == 'failed'
@@ -132,8 +134,9 @@ for _, s in ipairs(redis.call('HVALS', KEYS[2])) do
   if not ({ENDED_LUA}) then return 0 end
 end
 local since = tonumber(redis.call('HGET', KEYS[1], 'finalizing_since') or '0')
-if st == 'finalizing' and since + tonumber(ARGV[2]) > tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'finalizing', 'finalizing_since', ARGV[1])
+local now = {NOW_LUA}
+if st == 'finalizing' and since + tonumber(ARGV[1]) > now then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'finalizing', 'finalizing_since', now)
 return 1
 """
 
@@ -189,10 +192,6 @@ def output_busy(job_id: str, output: str) -> OutputBusy:
                       f"another output directory")
 
 
-def now_iso() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
-
-
 class JobStore:
     def __init__(self, url: str, retry_s: float = 0):
         self.url = url
@@ -208,6 +207,19 @@ class JobStore:
     def _key(self, job_id: str, part: str = "") -> str:
         return f"{PREFIX}job:{job_id}" + (f":{part}" if part else "")
 
+    def now(self) -> dt.datetime:
+        """Redis' clock. Every time the store keeps (a job's and a shard's stamps, a job's
+        order among the jobs) and every age it measures (a job still being prepared, a
+        finalizer presumed dead) is read from it, not from the caller's: hosts' clocks
+        disagree, by minutes on a laptop or a VM that drifted, and a `status` run on a host
+        5 minutes ahead ended failed a job that its submitter was still preparing, while one
+        5 minutes behind showed a running job at 6e13 tokens/s."""
+        seconds, micros = self.r.time()
+        return dt.datetime.fromtimestamp(seconds + micros / 1e6, dt.UTC)
+
+    def now_iso(self) -> str:
+        return self.now().isoformat(timespec="milliseconds")
+
     def create(self, job_id: str, spec: dict, shards: list[Shard],
                preparing: bool = False) -> None:
         """Record a new job, queued, among the active ones; raises OutputBusy when an active
@@ -218,13 +230,14 @@ class JobStore:
         prepares the output directory (`prepared` says when it is done); until then no check
         sends its shards' tasks."""
         output = spec["output"]
+        now = self.now()
         fields = {"job_id": job_id, "state": "queued", "spec": json.dumps(spec),
-                  "output": output, "created_at": now_iso(),
+                  "output": output, "created_at": now.isoformat(timespec="milliseconds"),
                   **{c: 0 for c in COUNTERS},
                   "shards_total": len(shards),
                   "requests_total": sum(s.num_rows for s in shards)}
         if preparing:
-            fields["preparing_since"] = dt.datetime.now(dt.UTC).timestamp()
+            fields["preparing_since"] = now.timestamp()
         plan = {s.id: json.dumps(s.to_dict()) for s in shards}
         with self.r.pipeline() as pipe:
             while True:
@@ -239,7 +252,7 @@ class JobStore:
                         pipe.hset(self._key(job_id, "plan"), mapping=plan)
                         pipe.hset(self._key(job_id, "state"),
                                   mapping=dict.fromkeys(plan, "queued"))
-                    pipe.zadd(PREFIX + "jobs", {job_id: dt.datetime.now(dt.UTC).timestamp()})
+                    pipe.zadd(PREFIX + "jobs", {job_id: now.timestamp()})
                     pipe.sadd(PREFIX + "active", job_id)
                     pipe.execute()
                     return
@@ -253,18 +266,20 @@ class JobStore:
     def preparing_for(self, job_id: str) -> float | None:
         """Seconds since a job still being prepared was recorded, or None."""
         since = self.r.hget(self._key(job_id), "preparing_since")
-        return None if since is None else dt.datetime.now(dt.UTC).timestamp() - float(since)
+        return None if since is None else self.now().timestamp() - float(since)
 
     def create_failed(self, job_id: str, output: str, error: str, ttl_s: int) -> None:
         """The record of a job that could not be submitted (a beat firing whose inputs are
         missing, say): it ends at once, failed with `error`, and lists among the jobs."""
-        now = now_iso()
+        now = self.now()
         fields = {"job_id": job_id, "state": "failed", "output": output, "error": error,
-                  "created_at": now, "finished_at": now, **{c: 0 for c in COUNTERS}}
+                  "created_at": now.isoformat(timespec="milliseconds"),
+                  "finished_at": now.isoformat(timespec="milliseconds"),
+                  **{c: 0 for c in COUNTERS}}
         pipe = self.r.pipeline()
         pipe.hset(self._key(job_id), mapping=fields)
         pipe.expire(self._key(job_id), ttl_s)
-        pipe.zadd(PREFIX + "jobs", {job_id: dt.datetime.now(dt.UTC).timestamp()})
+        pipe.zadd(PREFIX + "jobs", {job_id: now.timestamp()})
         pipe.execute()
 
     def active_jobs(self) -> list[str]:
@@ -341,7 +356,7 @@ class JobStore:
         the token of a holder known to be dead, whose lease may be replaced."""
         keys = [self._key(job_id), self._key(job_id, "state"), self._key(job_id, "attempts"),
                 self.lease_key(job_id, shard_id), self._key(job_id, "owner")]
-        return int(self._start(keys=keys, args=[shard_id, now_iso(), token,
+        return int(self._start(keys=keys, args=[shard_id, self.now_iso(), token,
                                                 max(1, int(ttl_s * 1000)), take_over]))
 
     def renew_lease(self, job_id: str, shard_id: str, token: str, ttl_s: float) -> bool:
@@ -368,8 +383,7 @@ class JobStore:
         """True when every shard has ended and the job is not final, nor being finalized by
         someone who started less than stale_s ago: the caller finalizes."""
         keys = [self._key(job_id), self._key(job_id, "state")]
-        return bool(self._claim_finalize(keys=keys, args=[dt.datetime.now(dt.UTC).timestamp(),
-                                                          stale_s]))
+        return bool(self._claim_finalize(keys=keys, args=[stale_s]))
 
     def attempts(self, job_id: str, shard_id: str) -> int:
         return int(self.r.hget(self._key(job_id, "attempts"), shard_id) or 0)
@@ -395,7 +409,6 @@ class JobStore:
                 self.lease_key(job_id, shard_id), self._key(job_id, "owner")]
         return int(self._finish(keys=keys, args=[shard_id, outcome, requests_ok,
                                                  requests_failed, tokens,
-                                                 dt.datetime.now(dt.UTC).timestamp(),
                                                  "1" if ran else "0"]))
 
     def cancel(self, job_id: str) -> str:
@@ -422,7 +435,7 @@ class JobStore:
         start = raw.get("started_at")
         if start:
             end = raw.get("finished_at")
-            end_t = dt.datetime.fromisoformat(end) if end else dt.datetime.now(dt.UTC)
+            end_t = dt.datetime.fromisoformat(end) if end else self.now()
             elapsed = max((end_t - dt.datetime.fromisoformat(start)).total_seconds(), 1e-9)
             job["tokens_per_s"] = throughput(tokens, elapsed)
             job["requests_per_s"] = throughput(job["requests_run"], elapsed)

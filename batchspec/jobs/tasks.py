@@ -43,7 +43,7 @@ from batchspec.jobs.runner import (
 from batchspec.jobs.shards import InputChanged, Shard
 from batchspec.jobs.spec import JobSpec, load_yaml, new_job_id, resolve_paths
 from batchspec.jobs.states import FINAL, SHARD_ENDED
-from batchspec.jobs.store import JobStore, now_iso, output_busy
+from batchspec.jobs.store import JobStore, output_busy
 from batchspec.jobs.summary import check_output, claim_output, clear_output, finalize
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def finalize_job(job_id: str, store: JobStore | None = None) -> dict:
     states, info = store.shard_states(job_id), store.shard_info(job_id)
     failed = {s: info.get(s, {}).get("error", "") for s, st in states.items() if st == "failed"}
     cancelled = store.cancel_requested(job_id) and "cancelled" in states.values()
-    finished = now_iso()
+    finished = store.now_iso()
     timings = {"created_at": job["created_at"], "started_at": job.get("started_at"),
                "finished_at": finished}
     if job.get("started_at"):
@@ -155,7 +155,7 @@ def job_ttl_s() -> int:
 def _end(job_id: str, shard_id: str, outcome: str, ok: int = 0, bad: int = 0,
          tokens: int = 0, **info) -> str:
     store = worker_store()
-    store.update_info(job_id, shard_id, finished_at=now_iso(), outcome=outcome, **info)
+    store.update_info(job_id, shard_id, finished_at=store.now_iso(), outcome=outcome, **info)
     ended = store.finish_shard(job_id, shard_id, outcome, ok, bad, tokens,
                                ran=not info.get("skipped"))
     if ended == 1:
@@ -218,7 +218,7 @@ def run_shard_task(job_id: str, shard_id: str) -> str:
         return "duplicate"
     spec_dict, shard = store.spec(job_id), store.shard(job_id, shard_id)
     max_attempts = spec_dict["max_attempts"]
-    started = now_iso()  # cleared to start: a cancel from now on stops it between steps
+    started = store.now_iso()  # cleared to start: a cancel from now on stops it between steps
     if store.cancel_requested(job_id):
         return _end(job_id, shard_id, "cancelled")
     if STREAM.has(job_id, shard_id):  # in flight in this very process
@@ -535,7 +535,7 @@ def submit_job(spec: JobSpec, shards: list | None = None, overwrite: bool = Fals
             clear_output(spec.output)
         claim_output(spec.to_dict(), shards)
     except BaseException as e:
-        store.set_final(spec.job_id, state="failed", finished_at=now_iso(),
+        store.set_final(spec.job_id, state="failed", finished_at=store.now_iso(),
                         error=f"could not prepare {spec.output}: {type(e).__name__}: {e}")
         raise
     store.prepared(spec.job_id)
@@ -594,7 +594,7 @@ def _record_done(store: JobStore, job_id: str, output: str, shard_id: str) -> bo
                      .column(0).to_pylist())
     ended = store.finish_shard(job_id, shard_id, "completed", ok, bad, tokens)
     if ended >= 0:      # (not a shard its own worker ended meanwhile)
-        store.update_info(job_id, shard_id, finished_at=now_iso(), outcome="completed",
+        store.update_info(job_id, shard_id, finished_at=store.now_iso(), outcome="completed",
                           recovered=True)
     if ended == 1:
         finalize_job(job_id, store)
@@ -652,7 +652,7 @@ def reconcile(job_id: str, store: JobStore | None = None) -> str | None:
     if preparing is not None:       # its submitter prepares the output directory (submit_job)
         if preparing < PREPARE_TIMEOUT_S:
             return state
-        store.set_final(job_id, state="failed", finished_at=now_iso(),
+        store.set_final(job_id, state="failed", finished_at=store.now_iso(),
                         error="its submit stopped before the output directory was ready (the "
                               "command was killed?); nothing ran: submit the job again")
         return "failed"
@@ -672,7 +672,7 @@ def reconcile(job_id: str, store: JobStore | None = None) -> str | None:
                 continue
             log.warning("shard %s of job %s lost its worker (lease expired): re-queued", s,
                         job_id)
-            store.update_info(job_id, s, requeued_at=now_iso())
+            store.update_info(job_id, s, requeued_at=store.now_iso())
             run_shard_task.apply_async((job_id, s))
     queued = [s for s, st in states.items() if st == "queued"]
     if cancelling:
