@@ -41,16 +41,18 @@ class RedisServer:
     docs/operations.md recommends) in `folder`, that can be killed and restarted on the same
     port and data directory."""
 
-    def __init__(self, folder, port: int | None = None):
+    def __init__(self, folder, port: int | None = None, args: tuple[str, ...] = ()):
         self.folder, self.port = str(folder), port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.args = args          # more redis-server options (e.g. --replicaof HOST PORT)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 20) -> RedisServer:
         import redis
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.folder],
+             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.folder,
+             *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis(host="127.0.0.1", port=self.port)
 

@@ -653,3 +653,60 @@ def test_hosts_whose_clocks_disagree_agree_on_a_jobs_times(redis_server, tmp_pat
     time.sleep(1.0)
     for offset in ("+5 minutes", "-5 minutes"):
         assert 300 < status_from(offset, "running")["tokens_per_s"] < 1000
+
+
+@pytest.mark.slow
+def test_a_job_goes_on_through_a_sentinel_failover(slow_model, tmp_path):
+    """Redis with a replica and a Sentinel, the worker and the CLI pointed at the Sentinel
+    (docs/operations.md, "Many hosts against one Redis"): the master is killed (SIGKILL)
+    while a shard generates, the Sentinel promotes the replica, and the job completes on it
+    with every row once."""
+    from tests.fixtures_redis import REDIS_SERVER, Worker, free_port
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    master = RedisServer(tmp_path / "a").start()
+    replica = RedisServer(tmp_path / "b", args=("--replicaof", "127.0.0.1",
+                                                str(master.port))).start()
+    port, folder = free_port(), tmp_path / "s"
+    folder.mkdir()
+    (folder / "sentinel.conf").write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+        f"sentinel monitor mymaster 127.0.0.1 {master.port} 1\n"
+        "sentinel down-after-milliseconds mymaster 1000\n"
+        "sentinel failover-timeout mymaster 5000\n")
+    sentinel = subprocess.Popen([REDIS_SERVER, str(folder / "sentinel.conf"), "--sentinel"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    probe = redis.Redis(host="127.0.0.1", port=port, decode_responses=True)
+
+    def master_port() -> int | None:
+        try:
+            found = probe.execute_command("SENTINEL", "get-master-addr-by-name", "mymaster")
+        except redis.ConnectionError:
+            return None
+        return int(found[1]) if found else None
+    url = f"sentinel://127.0.0.1:{port}/0"
+    worker = None
+    try:
+        wait_until(lambda: master_port() == master.port, 30, "the Sentinel to know the master")
+        in_sync = redis.Redis(port=replica.port, decode_responses=True)
+        wait_until(lambda: in_sync.info("replication")["master_link_status"] == "up", 30,
+                   "the replica to be in sync")
+        worker = Worker(url, str(tmp_path / "w.log"), "w").wait_ready()
+        store = JobStore(url, retry_s=60)
+        job_id, _, out = job_with_a_shard_on(store, url, worker, "f", slow_model, tmp_path)
+        master.kill(signal.SIGKILL)
+        wait_until(lambda: master_port() == replica.port, 60, "the Sentinel to promote the "
+                   "replica")
+        state = wait_until(lambda: (s := job_state(store, job_id)) in FINAL and s, 300,
+                           "the job to end", 0.5)
+        assert state == "completed", worker.tail()
+        assert_each_row_once(out, [f"f{i}" for i in range(8)])
+        assert (out / "_SUCCESS").exists()
+    finally:
+        if worker is not None:
+            worker.stop()
+        sentinel.terminate()
+        sentinel.wait(10)
+        replica.stop()
+        master.stop()
