@@ -77,6 +77,62 @@ class RedisServer:
         self.kill(signal.SIGTERM)
 
 
+_PROXY = """
+import asyncio, sys
+listen, target = int(sys.argv[1]), int(sys.argv[2])
+async def pipe(r, w):
+    try:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+    except OSError:
+        pass
+    finally:
+        w.close()
+async def handle(cr, cw):
+    try:
+        sr, sw = await asyncio.open_connection("127.0.0.1", target)
+    except OSError:
+        cw.close()
+        return
+    await asyncio.gather(pipe(cr, sw), pipe(sr, cw))
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", listen)
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+class TcpProxy:
+    """A TCP proxy from a port of its own to `target` on the loopback: one host's path to
+    Redis, cut (kill: its connections reset, new ones refused, as a host's network that
+    rejects) and restored (start again) while Redis serves everyone else."""
+
+    def __init__(self, target: int):
+        self.target, self.port = target, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> TcpProxy:
+        import redis
+        self.proc = subprocess.Popen([sys.executable, "-c", _PROXY, str(self.port),
+                                      str(self.target)], start_new_session=True)
+
+        def up():
+            try:
+                return redis.Redis(port=self.port).ping()
+            except redis.ConnectionError:
+                return False
+        wait_until(up, 20, "the proxy to forward", 0.05)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """URL of a private redis-server (no persistence), stopped at the end of the session."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -710,3 +711,72 @@ def test_a_job_goes_on_through_a_sentinel_failover(slow_model, tmp_path):
         sentinel.wait(10)
         replica.stop()
         master.stop()
+
+
+@pytest.mark.slow
+def test_a_worker_cut_off_from_redis_writes_nothing_once_its_lease_expired(slow_model,
+                                                                           tmp_path):
+    """A worker whose path to Redis alone is cut (its connections refused, while Redis
+    serves the others) generates on; its lease expires and another worker runs the shard.
+    It then waits for Redis before writing the shard's files, and once its path is back,
+    finds the lease gone and writes nothing: the shard's files are written once, by the
+    worker that holds it. It used to write them too (a lease it could not ask about counted
+    as held), before or after that worker wrote its own."""
+    import threading
+
+    from tests.fixtures_redis import TcpProxy, Worker
+    (tmp_path / "r").mkdir()
+    server = RedisServer(tmp_path / "r").start()
+    proxy = TcpProxy(server.port).start()
+    store = JobStore(server.url)
+    leases = {"BATCHSPEC_LEASE_TTL": "2", "BATCHSPEC_LEASE_RENEW": "0.5",
+              "BATCHSPEC_CHECK_INTERVAL": "1"}
+    workers = [Worker(proxy.url, str(tmp_path / "victim.log"), "victim", leases).wait_ready()]
+    try:
+        path = write_rows(tmp_path / "c.parquet", [f"row {i}" for i in range(4)], [1500] * 4)
+        out = tmp_path / "out"
+        job_id = batchspec(server.url, "submit", path, "-o", out, "--model", slow_model,
+                           "--shard-size", 2).stdout.strip().splitlines()[-1]
+        victim = workers[0]
+
+        def generating():
+            info = store.shard_info(job_id)
+            return next((s for s in store.running_progress(job_id)
+                         if info.get(s, {}).get("pid") in victim.pids()), None)
+        shard = wait_until(generating, 180, "the victim to generate a shard", 0.02)
+        target = out / "outputs" / f"part-{shard}.parquet"
+        writes, watching = set(), threading.Event()
+
+        def watch():            # each write renames a new file into place: a new inode
+            while not watching.is_set():
+                try:
+                    writes.add(target.stat().st_ino)
+                except FileNotFoundError:
+                    pass
+                time.sleep(0.01)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        proxy.kill()                                         # the victim is cut off
+        workers += [Worker(server.url, str(tmp_path / f"w{i}.log"), f"w{i}", leases)
+                    .wait_ready() for i in (1, 2)]
+        state = wait_until(lambda: (s := job_state(store, job_id)) in FINAL and s, 300,
+                           "the job to end", 0.2)
+        assert state == "completed", workers[1].tail()
+        wait_until(lambda: "could not ask for the lease" in victim.tail(20000), 120,
+                   "the victim to finish generating its shard", 0.2)
+        time.sleep(1.0)
+        proxy.start()                                        # its path to Redis is back
+        ended = wait_until(lambda: re.search(r"run_shard\[.*\] succeeded in .*: '(\w+)'",
+                                             victim.tail(20000)), 120,
+                           "the victim's task to end", 0.2)
+        watching.set()
+        watcher.join(10)
+        assert len(writes) == 1, f"{shard}'s files were written {len(writes)} times"
+        assert ended.group(1) == "lease_lost", victim.tail()
+        assert_each_row_once(out, [f"c{i}" for i in range(4)])
+        assert json.loads((out / "_job.json").read_text())["state"] == "completed"
+    finally:
+        for w in workers:
+            w.stop()
+        proxy.kill()
+        server.stop()

@@ -141,13 +141,17 @@ class Lease:
     """Renews a shard's lease every `renew` seconds from a daemon thread until stopped.
     Renewals that cannot reach Redis are retried at the next tick (the TTL covers a Redis
     restart of several seconds); a renewal refused because the lease is no longer this
-    worker's (it expired and the shard was re-queued) stops the thread and sets `lost`."""
+    worker's (it expired and the shard was re-queued) stops the thread and sets `lost`.
+    taken_at: time.monotonic() before the lease was taken (default: now)."""
 
     def __init__(self, store, job_id: str, shard_id: str, token: str, ttl: float,
-                 renew: float):
+                 renew: float, taken_at: float | None = None):
         self.store, self.job_id, self.shard_id, self.token = store, job_id, shard_id, token
         self.ttl, self.renew = ttl, renew
         self.lost = False
+        # until when (time.monotonic()) the lease surely holds: TTL after the request of the
+        # last renewal Redis granted (Redis counts the TTL from when it got the request)
+        self._holds_until = (time.monotonic() if taken_at is None else taken_at) + ttl
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"lease-{job_id}-{shard_id}")
@@ -171,19 +175,37 @@ class Lease:
         """Whether the lease is still this worker's, asked of Redis now (a renewal); sets
         `lost` when it is not. A shard's files are written only after asking: a worker
         frozen past its lease (a paused VM) and woken before its next renewal would
-        otherwise write over the files of the worker that ran the shard since. A store that
-        cannot be reached answers True (the files are written, as before the lease could
-        be asked; the shard's end is recorded later, see reconcile)."""
-        if self.lost:
-            return False
-        try:
-            if self.store.renew_lease(self.job_id, self.shard_id, self.token, self.ttl):
-                return True
-        except Exception as e:  # noqa: BLE001 - Redis down: as if held
-            log.warning("could not ask for the lease on shard %s of job %s: %s",
-                        self.shard_id, self.job_id, e)
-            return True
-        self.lost = True
+        otherwise write over the files of the worker that ran the shard since.
+
+        While Redis cannot be reached, the lease holds until TTL after the last renewal it
+        granted: within that, True (the files are written, and the shard's end is recorded
+        later from them, see reconcile). Past it the lease has expired in Redis, and a
+        worker that reaches Redis may have the shard now: this waits until Redis answers,
+        then says what it says. A worker cut off from Redis alone (its host's network)
+        used to write the shard's files after another worker had taken the shard over,
+        before or after that worker wrote its own (tests/test_faults.py)."""
+        waiting_since = None
+        while not self.lost:
+            asked = time.monotonic()
+            try:
+                if self.store.renew_lease(self.job_id, self.shard_id, self.token, self.ttl):
+                    self._holds_until = asked + self.ttl
+                    return True
+                self.lost = True
+            except Exception as e:  # noqa: BLE001 - Redis unreachable
+                if time.monotonic() < self._holds_until:
+                    log.warning("could not ask for the lease on shard %s of job %s (%s); it "
+                                "holds for %.0f s more: writing the shard's files",
+                                self.shard_id, self.job_id, e,
+                                self._holds_until - time.monotonic())
+                    return True
+                if waiting_since is None or time.monotonic() - waiting_since >= 60:
+                    log.warning("could not ask for the lease on shard %s of job %s (%s), "
+                                "which has expired by now: its files wait until Redis "
+                                "answers (another worker may have the shard)",
+                                self.shard_id, self.job_id, e)
+                    waiting_since = time.monotonic()
+                time.sleep(self.renew)
         return False
 
     def _run(self) -> None:
@@ -196,9 +218,11 @@ class Lease:
                           "the others run again", stuck, timeout, self.shard_id, self.job_id)
                 logging.shutdown()
                 os._exit(STUCK_EXIT)
+            asked = time.monotonic()
             try:
-                if not self.store.renew_lease(self.job_id, self.shard_id, self.token,
-                                              self.ttl):
+                if self.store.renew_lease(self.job_id, self.shard_id, self.token, self.ttl):
+                    self._holds_until = asked + self.ttl
+                else:
                     if not self._stop.is_set():
                         log.info("lease on shard %s of job %s no longer held (the shard "
                                  "ended, or was re-queued)", self.shard_id, self.job_id)

@@ -225,6 +225,7 @@ def run_shard_task(job_id: str, shard_id: str) -> str:
         return "duplicate"
     token, ttl = new_lease_token(), lease_ttl()
     holder = store.lease_holder(job_id, shard_id)
+    taken_at = time.monotonic()
     attempt = store.start_attempt(job_id, shard_id, token, ttl,
                                   take_over=holder if holder_is_dead(holder) else "")
     if attempt < 0:  # ended meanwhile, or running under another worker's live lease
@@ -232,7 +233,7 @@ def run_shard_task(job_id: str, shard_id: str) -> str:
                  "ended" if attempt == -2 else f"held by {holder}")
         return "duplicate"
     quick = get_store()  # no retries: a Redis outage must not stall engine steps
-    lease = Lease(quick, job_id, shard_id, token, ttl, lease_renew()).start()
+    lease = Lease(quick, job_id, shard_id, token, ttl, lease_renew(), taken_at).start()
     handed_over = False
     try:
         store.update_info(job_id, shard_id, host=socket.gethostname(), pid=os.getpid(),
