@@ -780,3 +780,41 @@ def test_a_worker_cut_off_from_redis_writes_nothing_once_its_lease_expired(slow_
             w.stop()
         proxy.kill()
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_beat_firing_that_cannot_reach_redis_is_sent_once_it_can(tmp_path):
+    """Beat's path to Redis is cut from just before a firing to just after (its connections
+    refused): the firing is sent once the path is back. Beat moves a schedule to its next
+    run before sending, so such a firing used to be lost (with a traceback in the log): a
+    Redis restart at the hour of a nightly job, and no job that night."""
+    from batchspec.jobs.celery_app import QUEUE
+    from tests.fixtures_redis import TcpProxy
+    (tmp_path / "r").mkdir()
+    (tmp_path / "jobs").mkdir()
+    server = RedisServer(tmp_path / "r").start()
+    proxy = TcpProxy(server.port).start()
+    (tmp_path / "jobs" / "n.yaml").write_text(
+        "name: n\nschedule: every 20s\ninputs: [in/*.parquet]\noutput: out/{now:%H%M%S}\n")
+    client = redis.Redis(port=server.port)
+    log = tmp_path / "beat.log"
+    with open(log, "wb") as f:
+        beat = subprocess.Popen([sys.executable, "-m", "batchspec.cli", "beat", "--broker",
+                                 proxy.url, "--jobs", tmp_path / "jobs"], cwd=tmp_path,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: client.llen(QUEUE) == 1, 60, "the first firing", 0.05)
+        first = time.monotonic()
+        time.sleep(max(0.0, first + 18 - time.monotonic()))    # 2 s before the next one
+        proxy.kill()
+        time.sleep(10)                                          # it fell due 8 s ago
+        assert client.llen(QUEUE) == 1
+        proxy.start()
+        wait_until(lambda: client.llen(QUEUE) == 2, 10, "the firing to be sent", 0.05)
+        assert time.monotonic() - first < 38                    # not the one after it
+    finally:
+        os.killpg(beat.pid, signal.SIGTERM)
+        beat.wait(30)
+        proxy.kill()
+        server.stop()
+    assert "Traceback" not in log.read_text()

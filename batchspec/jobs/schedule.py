@@ -18,6 +18,11 @@ from celery.schedules import crontab
 from batchspec.jobs.spec import JobSpec
 
 _EVERY = re.compile(r"^every\s+(\d+)\s*([smhd])$")
+# A firing that cannot reach Redis is sent again until it can (every 1 s, then up to every
+# 30 s): beat moves a schedule to its next run before sending, so a firing that failed was
+# lost, and a Redis restart at 2:30 meant no job that night.
+FIRING_RETRY = {"max_retries": None, "interval_start": 1, "interval_step": 2,
+                "interval_max": 30}
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
@@ -68,7 +73,8 @@ def load_schedules(jobs_dir: str) -> dict:
         # a firing is built in a worker, whose directory may be another: the YAML's
         # relative paths resolve against beat's, where they were checked now
         entries[name] = {"task": "batchspec.submit_scheduled", "schedule": schedule,
-                         "args": (os.path.abspath(path), os.getcwd())}
+                         "args": (os.path.abspath(path), os.getcwd()),
+                         "options": {"retry": True, "retry_policy": FIRING_RETRY}}
     if not entries:
         raise ValueError(f"no job YAML with a `schedule` in {jobs_dir!r}")
     return entries
