@@ -16,6 +16,9 @@ never takes it back; each step still runs the plan the policy weighs best, which
 plain): what speculating would make where the policy keeps plain. --plain-leads pairs it
 with itself held in plain's lead (speculation is never tried): what the adaptive engine
 costs beside a plain engine when it never speculates, and what its tries cost.
+--with-fixed-k adds an engine of the same drafts with a fixed k (`spec-domain` for
+`spec-adaptive`, `suffix` for `suffix-adaptive`) to the turns: what the policy's plans make
+against drafting every row's k.
 """
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = "batchspec/spec/policy.py"
+
+
+# an adaptive method -> the method of the same drafts with a fixed k
+FIXED_K = {"spec-adaptive": "spec-domain", "suffix-adaptive": "suffix"}
 
 
 def load_policy_at(rev: str):
@@ -100,6 +107,8 @@ def main() -> int:
                     help="default: max(64, 8 x batch size), as batchspec bench's cells")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--with-fixed-k", action="store_true",
+                    help="also run the method's drafts with a fixed k in the turns")
     args = ap.parse_args()
     if bool(args.against) + args.speculation_leads + args.plain_leads != 1:
         ap.error("give one of --against REV, --speculation-leads, --plain-leads")
@@ -123,6 +132,12 @@ def main() -> int:
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
     names = {"plain": "plain", "tree": args.method, other: args.method}
+    if args.with_fixed_k:
+        fixed = FIXED_K.get(args.method)
+        if fixed is None:
+            ap.error(f"--with-fixed-k: {args.method} has no fixed-k counterpart "
+                     f"({', '.join(FIXED_K)} have)")
+        names["fixed k"] = fixed
     dtype = default_dtype(models["target"], "cpu")    # as batchspec bench runs the demo
     llms = {name: make_llm(method, models, args.batch_size, 4, 0, 0.0, 1, dtype)
             for name, method in names.items()}
@@ -130,7 +145,7 @@ def main() -> int:
     policy = policy_class(engine.config, engine.max_model_len)
     policy.costs = engine.policy.costs      # the same start-up costs for both policies
     engine.policy = policy
-    speedups: dict[str, list[float]] = {"tree": [], other: []}
+    speedups: dict[str, list[float]] = {name: [] for name in names if name != "plain"}
     print(f"{args.method}, B={args.batch_size}, T={args.temperature}, {dtype}: x plain, "
           "paired (share of rows' rounds that drafted)")
     for r in range(args.repeats + 1):
