@@ -818,3 +818,51 @@ def test_a_beat_firing_that_cannot_reach_redis_is_sent_once_it_can(tmp_path):
         proxy.kill()
         server.stop()
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_submit_wait_says_once_that_it_lost_redis_and_stops_after_a_minute(redis_server,
+                                                                           tmp_path,
+                                                                           tiny_llama):
+    """`submit --wait` whose path to Redis is cut (its connections refused): one line when
+    Redis is lost and one when it is back, and after REDIS_WAIT_S without it, one line
+    saying the job goes on and how to follow it (exit 1, no traceback). It printed a
+    warning every 5 s, then said to start redis-server, as if nothing had been submitted."""
+    from batchspec.jobs.commands import REDIS_WAIT_S
+    from tests.fixtures_redis import TcpProxy
+    url = redis_server.rsplit("/", 1)[0] + "/12"      # own database: no worker serves it
+    JobStore(url).r.flushdb()
+    proxy = TcpProxy(int(redis_server.rsplit(":", 1)[1].split("/")[0])).start()
+    path = write_rows(tmp_path / "w.parquet", ["a b c"], [4])
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "batchspec.cli", "submit", path, "-o", tmp_path / "out",
+         "--model", tiny_llama, "--wait", "-q"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "BATCHSPEC_REDIS_URL": proxy.url.rsplit("/", 1)[0] + "/12"})
+    try:
+        wait_until(lambda: JobStore(url).recent(1), 60, "the job to be submitted", 0.1)
+        time.sleep(1.0)
+        proxy.kill()
+        time.sleep(8)
+        proxy.start()
+        time.sleep(3)
+        proxy.kill()
+        cut = time.monotonic()
+        _, err = waiting.communicate(timeout=REDIS_WAIT_S + 60)
+        assert time.monotonic() - cut > REDIS_WAIT_S
+    finally:
+        waiting.kill()
+        proxy.kill()
+    job_id = JobStore(url).recent(1)[0]["job_id"]
+    masked = proxy.url.rsplit("/", 1)[0] + "/12"
+    lines = err.strip().splitlines()
+    assert waiting.returncode == 1 and "Traceback" not in err, err
+    assert lines == [f"submitted {job_id}",
+                     f"lost Redis at {masked} (connection refused); waiting for it (job "
+                     f"{job_id} goes on in the workers)",
+                     "Redis is back",
+                     f"lost Redis at {masked} (connection refused); waiting for it (job "
+                     f"{job_id} goes on in the workers)",
+                     f"Error: Redis at {masked} unreachable for over {REDIS_WAIT_S} s: "
+                     f"stopped following job {job_id}, which goes on in the workers; follow "
+                     f"it with batchspec status {job_id} once Redis is back"], err

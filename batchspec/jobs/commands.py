@@ -130,9 +130,8 @@ def redis_problem(e: Exception) -> str | None:
         return (f"Redis at {url} refused the credentials ({e}): put the right password in "
                 f"the URL, redis://:PASSWORD@HOST:PORT/DB")
     if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OperationalError)):
-        why = "connection refused" if "refused" in text else str(e).strip().rstrip(".")
-        return (f"cannot reach Redis at {url} ({why}): start redis-server, or pass --broker "
-                f"/ set BATCHSPEC_REDIS_URL")
+        return (f"cannot reach Redis at {url} ({_reason(e)}): start redis-server, or pass "
+                f"--broker / set BATCHSPEC_REDIS_URL")
     if isinstance(e, redis.exceptions.OutOfMemoryError) or "used memory > 'maxmemory'" in text:
         return (f"Redis at {url} is full (used memory > maxmemory) and refuses writes: raise "
                 f"its maxmemory, or free memory there (ended jobs' records expire after "
@@ -147,6 +146,11 @@ def redis_problem(e: Exception) -> str | None:
         return (f"invalid Redis URL {url} ({e}): use redis://HOST:PORT/DB (or rediss://, "
                 f"unix://, sentinel://)")
     return None
+
+
+def _reason(e: Exception) -> str:
+    """Why Redis could not be reached, short."""
+    return "connection refused" if "refused" in str(e).lower() else str(e).strip().rstrip(".")
 
 
 def os_problem(e: OSError) -> str:
@@ -259,6 +263,10 @@ def _get_job(store, job_id: str) -> dict:
     return job
 
 
+# how long `submit --wait` waits for a Redis it lost before it stops following the job
+REDIS_WAIT_S = 60
+
+
 def wait_for(store, job_id: str, output: str, poll_s: float = 0.5,
              progress: bool = True) -> dict:
     """Follow a job just submitted (into `output`) to its end with a progress bar on stderr
@@ -283,16 +291,26 @@ def wait_for(store, job_id: str, output: str, poll_s: float = 0.5,
               disable=not progress, dynamic_ncols=True) as bar:
         down_since = None
         while True:
-            check()  # carries the job on if its workers died or Redis restarted
             try:
                 job = record()
-                down_since = None
-            except redis.ConnectionError:  # a Redis restart: wait it out, up to a minute
-                down_since = down_since or time.monotonic()
-                if time.monotonic() - down_since > 60:
-                    raise
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # a Redis restart, or this host's path to it: wait it out, up to
+                # REDIS_WAIT_S, saying so once (the checks, which need Redis, wait too)
+                if down_since is None:
+                    down_since = time.monotonic()
+                    tqdm.write(f"lost Redis at {_redis_url()} ({_reason(e)}); waiting for it "
+                               f"(job {job_id} goes on in the workers)", file=sys.stderr)
+                elif time.monotonic() - down_since > REDIS_WAIT_S:
+                    raise click.ClickException(
+                        f"Redis at {_redis_url()} unreachable for over {REDIS_WAIT_S} s: stopped "
+                        f"following job {job_id}, which goes on in the workers; follow it "
+                        f"with batchspec status {job_id} once Redis is back") from None
                 time.sleep(1.0)
                 continue
+            if down_since is not None:
+                down_since = None
+                tqdm.write("Redis is back", file=sys.stderr)
+            check()  # carries the job on if its workers died or Redis restarted
             done = job["requests_completed"] + job["requests_failed"]
             bar.update(min(done + job["requests_in_progress"], bar.total) - bar.n)
             bar.set_postfix_str(f"{job['state']} {job.get('tokens_per_s', 0):.1f} tok/s")
