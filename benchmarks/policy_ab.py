@@ -16,7 +16,8 @@ never takes it back; each step still runs the plan the policy weighs best, which
 plain): what speculating would make where the policy keeps plain. --plain-leads pairs it
 with itself held in plain's lead (speculation is never tried): what the adaptive engine
 costs beside a plain engine when it never speculates, and what its tries cost.
---with-fixed-k adds an engine of the same drafts with a fixed k (`spec-domain` for
+--both-speculate, with --against, holds both policies in speculation's lead: what each one's
+plans make. --with-fixed-k adds an engine of the same drafts with a fixed k (`spec-domain` for
 `spec-adaptive`, `suffix` for `suffix-adaptive`) to the turns: what the policy's plans make
 against drafting every row's k.
 """
@@ -54,8 +55,8 @@ def load_policy_at(rev: str):
     return module
 
 
-def held_in_speculation():
-    """The tree's SpecPolicy, made never to hand plain the lead: speculation's corrected rate
+def held_in_speculation(module=None):
+    """The tree's SpecPolicy (or `module`'s), made never to hand plain the lead: speculation's corrected rate
     is taken as beyond plain's, plain is never tried, and a weighing whose best plan drafts
     nothing leaves speculation the lead, so that every step runs the plan weighed best (no
     slot at all where none pays). Refusing plain the lead at the switch
@@ -63,6 +64,7 @@ def held_in_speculation():
     weighed as a try of plain, and those steps ran plain (0.00 of the rows' rounds drafted
     in most runs)."""
     from batchspec.spec import policy
+    policy = module or policy
 
     class Held(policy.SpecPolicy):
         def _slowdown(self, speculate: bool) -> float:
@@ -107,11 +109,15 @@ def main() -> int:
                     help="default: max(64, 8 x batch size), as batchspec bench's cells")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--both-speculate", action="store_true",
+                    help="with --against: hold both policies in speculation's lead")
     ap.add_argument("--with-fixed-k", action="store_true",
                     help="also run the method's drafts with a fixed k in the turns")
     args = ap.parse_args()
     if bool(args.against) + args.speculation_leads + args.plain_leads != 1:
         ap.error("give one of --against REV, --speculation-leads, --plain-leads")
+    if args.both_speculate and not args.against:
+        ap.error("--both-speculate goes with --against REV")
     if not args.method.endswith(("-adaptive", "-routed")):
         ap.error(f"{args.method} has no adaptive policy: give a method ending in "
                  "-adaptive or -routed")
@@ -123,7 +129,9 @@ def main() -> int:
     other = "speculation-leads" if args.speculation_leads else \
         "plain-leads" if args.plain_leads else args.against
     policy_class = held_in_speculation() if args.speculation_leads else \
-        held_in_plain() if args.plain_leads else load_policy_at(args.against).SpecPolicy
+        held_in_plain() if args.plain_leads else \
+        held_in_speculation(load_policy_at(args.against)) if args.both_speculate else \
+        load_policy_at(args.against).SpecPolicy
     torch.set_num_threads(1)
     models = demo_models()
     n = args.num_prompts or max(64, 8 * args.batch_size)
@@ -145,9 +153,14 @@ def main() -> int:
     policy = policy_class(engine.config, engine.max_model_len)
     policy.costs = engine.policy.costs      # the same start-up costs for both policies
     engine.policy = policy
+    if args.both_speculate:
+        engine = llms["tree"].engine
+        held = held_in_speculation()(engine.config, engine.max_model_len)
+        held.costs = engine.policy.costs
+        engine.policy = held
     speedups: dict[str, list[float]] = {name: [] for name in names if name != "plain"}
     print(f"{args.method}, B={args.batch_size}, T={args.temperature}, {dtype}: x plain, "
-          "paired (share of rows' rounds that drafted)")
+          "paired (share of rows' rounds that drafted, drafts a round)")
     for r in range(args.repeats + 1):
         res = run_engines_in_turns(llms, ids, domains=domains, temperature=args.temperature,
                                    max_tokens=args.max_tokens)
@@ -160,11 +173,17 @@ def main() -> int:
         # the first round is each engine's first job (the policies start from nothing); it
         # is shown but left out of the medians, which are of jobs after it
         print(f"round {r}{' (first job, not in the medians)' if not r else ''}: " + ", ".join(
-            f"{name} {ratios[name]:.3f} ({drafted_share(res[name]):.2f})"
+            f"{name} {ratios[name]:.3f} ({drafted_share(res[name]):.2f}, "
+            f"{drafts_a_round(res[name]):.2f})"
             for name in speedups), flush=True)
     print("median: " + ", ".join(f"{name} {statistics.median(v):.3f}"
                                  for name, v in speedups.items()))
     return 0
+
+
+def drafts_a_round(result: dict) -> float:
+    """Draft tokens verified a round, on average over a run's rounds."""
+    return sum(result["drafted_per_depth"] or [0]) / max(result["totals"]["rounds"], 1)
 
 
 def drafted_share(result: dict) -> float:
