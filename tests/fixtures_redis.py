@@ -117,7 +117,8 @@ class TcpProxy:
     def start(self) -> TcpProxy:
         import redis
         self.proc = subprocess.Popen([sys.executable, "-c", _PROXY, str(self.port),
-                                      str(self.target)], start_new_session=True)
+                                      str(self.target)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
 
         def up():
             try:

@@ -866,3 +866,49 @@ def test_submit_wait_says_once_that_it_lost_redis_and_stops_after_a_minute(redis
                      f"Error: Redis at {masked} unreachable for over {REDIS_WAIT_S} s: "
                      f"stopped following job {job_id}, which goes on in the workers; follow "
                      f"it with batchspec status {job_id} once Redis is back"], err
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+def test_a_shard_generates_on_while_its_workers_path_to_redis_hangs(slow_model, tmp_path):
+    """A worker's path to Redis hangs (packets go nowhere: the proxy in between is stopped
+    with SIGSTOP) while its shard generates: the shard goes on generating (its process
+    keeps using the CPU), and the job completes once the path is back. The engine's loop
+    asked Redis itself whether the job was cancelled and reported progress, and waited on
+    the hung connection: the process stood still (0.0 CPU seconds over 4 s)."""
+    from tests.fixtures_redis import TcpProxy, Worker
+    (tmp_path / "r").mkdir()
+    server = RedisServer(tmp_path / "r").start()
+    proxy = TcpProxy(server.port).start()
+    store = JobStore(server.url)
+    worker = Worker(proxy.url, str(tmp_path / "w.log"), "w").wait_ready()
+    try:
+        path = write_rows(tmp_path / "h.parquet", ["row 0", "row 1"], [1500, 1500])
+        job_id = batchspec(server.url, "submit", path, "-o", tmp_path / "out", "--model",
+                           slow_model).stdout.strip().splitlines()[-1]
+        shard = wait_until(lambda: next(iter(store.running_progress(job_id)), None), 180,
+                           "the shard to generate", 0.02)
+        pid = int(store.shard_info(job_id)[shard]["pid"])
+        time.sleep(1.0)
+        proxy.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(1.0)                 # (whatever was on the wire is waited out)
+            before = cpu_seconds(pid)
+            time.sleep(4.0)
+            used = cpu_seconds(pid) - before
+        finally:
+            proxy.proc.send_signal(signal.SIGCONT)
+        assert used > 1.0, f"the shard's process used {used:.1f} CPU s in 4 s"
+        state = wait_until(lambda: (s := job_state(store, job_id)) in FINAL and s, 300,
+                           "the job to end", 0.2)
+        assert state == "completed", worker.tail()
+    finally:
+        worker.stop()
+        proxy.kill()
+        server.stop()
