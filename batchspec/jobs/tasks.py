@@ -90,10 +90,10 @@ def get_llm(spec: JobSpec):
 
 
 class Every:
-    """Call fn at most every `interval` seconds; between calls, return the last result.
-    Engine steps are milliseconds apart; Redis does not need to hear about each one. A call
-    that fails (Redis unreachable) is logged and returns `default`: a Redis outage pauses
-    progress reports and cancel checks, never the shard."""
+    """Call fn at most every `interval` seconds, in the caller's thread; between calls,
+    return the last result. A call that fails (Redis unreachable) is logged and returns
+    `default`. For loops that may wait on Redis (`submit --wait`'s checks); a running shard
+    asks Redis from threads of its own instead (InBackground)."""
 
     def __init__(self, interval: float, fn, default=None):
         self.interval, self.fn, self.last, self.value = interval, fn, -1e18, default
