@@ -42,6 +42,23 @@ def assert_each_row_once(out, ids: list[str]):
     assert sorted(got) == sorted(ids), f"rows lost: {sorted(set(ids) - set(got))}"
 
 
+def submit_waiting(url: str, store: JobStore, tmp_path, slow_model, n: int, tokens: int):
+    """`submit --wait` of n rows of `tokens` tokens in 2-row shards on the slow model, in the
+    background: (the process, the job's id, its output dir)."""
+    path = write_rows(tmp_path / "r.parquet", [f"row {i}" for i in range(n)], [tokens] * n)
+    out = tmp_path / "out"
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "batchspec.cli", "submit", path, "-o", str(out), "--model",
+         slow_model, "--shard-size", "2", "--wait", "-q", "--broker", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job_id = wait_until(lambda: [j["job_id"] for j in store.recent(1)], 60, "the job")[0]
+    except BaseException:
+        waiting.kill()
+        raise
+    return waiting, job_id, out
+
+
 def job_with_a_shard_on(store: JobStore, url: str, worker, name: str, slow_model, tmp_path):
     """Submit an 8-row job of 2-row shards (four rows of 150 tokens) on the slow model and
     wait until `worker` generates one of its shards: (job id, that shard, output dir)."""
@@ -123,14 +140,8 @@ def test_redis_sigkill_and_restart_mid_job(start_worker, tmp_path, slow_model, o
         worker = start_worker("through-restart", url=server.url, **FAST_LEASES)
         store = JobStore(server.url, retry_s=30)
         n = 12
-        path = write_rows(tmp_path / "r.parquet", [f"row {i}" for i in range(n)], [40] * n)
-        out = tmp_path / "out"
         # `submit --wait` follows the job through the restart.
-        waiting = subprocess.Popen(
-            [sys.executable, "-m", "batchspec.cli", "submit", path, "-o", str(out), "--model",
-             slow_model, "--shard-size", "2", "--wait", "-q", "--broker", server.url],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        job_id = wait_until(lambda: [j["job_id"] for j in store.recent(1)], 60, "the job")[0]
+        waiting, job_id, out = submit_waiting(server.url, store, tmp_path, slow_model, n, 40)
         wait_until(lambda: "completed" in store.shard_states(job_id).values()
                    and store.running_progress(job_id), 240, "a shard done, one generating",
                    0.02)
@@ -911,4 +922,48 @@ def test_a_shard_generates_on_while_its_workers_path_to_redis_hangs(slow_model, 
     finally:
         worker.stop()
         proxy.kill()
+        server.stop()
+
+
+def test_a_redis_full_for_a_while_mid_job_holds_the_job_up_but_it_ends(start_worker, tmp_path,
+                                                                        slow_model):
+    """Redis reaches its maxmemory (noeviction) while a shard generates, and refuses writes
+    until memory is raised again. The worker's consumer, refused a write (a message's
+    acknowledgement, or its delivery), reconnects as after a lost connection; it used to
+    exit, and the job stayed `running` with no worker. `status` meanwhile says why in one
+    line; once Redis takes writes again the job completes, every row once."""
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    waiting = None
+    try:
+        worker = start_worker("full-redis", url=server.url, **FAST_LEASES)
+        store = JobStore(server.url, retry_s=30)
+        client = redis.Redis.from_url(server.url)
+        n = 8
+        waiting, job_id, out = submit_waiting(server.url, store, tmp_path, slow_model, n, 24)
+        wait_until(lambda: store.running_progress(job_id), 240, "a shard generating", 0.02)
+        client.config_set("maxmemory", 1)          # every write now exceeds it
+        try:
+            # until the worker's consumer has been refused a write (the shard's end, or the
+            # next message's delivery)
+            wait_until(lambda: "maxmemory" in worker.tail(20000), 120,
+                       "the worker to be refused a write")
+            time.sleep(4)   # past the lease's TTL: `status` tries to re-queue the shard
+            st = batchspec(server.url, "status", job_id)
+        finally:
+            client.config_set("maxmemory", 0)
+        assert st.returncode == 0 and "Traceback" not in st.stderr, st.stderr
+        said = [ln for ln in st.stderr.splitlines() if ln.strip()]
+        assert said == [f"could not bring job {job_id} forward: Redis at {server.url} is full "
+                        f"(used memory > maxmemory) and refuses writes: raise its maxmemory, or "
+                        f"free memory there (ended jobs' records expire after "
+                        f"BATCHSPEC_JOB_TTL_DAYS)"], st.stderr
+        stdout, stderr = waiting.communicate(timeout=240)
+        assert waiting.returncode == 0, stderr + worker.tail()
+        assert worker.proc.poll() is None, worker.tail()
+        assert store.get(job_id)["state"] == "completed"
+        assert_each_row_once(out, [f"r{i}" for i in range(n)])
+    finally:
+        if waiting is not None and waiting.poll() is None:
+            waiting.kill()
         server.stop()

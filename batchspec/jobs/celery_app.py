@@ -64,6 +64,11 @@ def configure(app: Celery, url: str) -> None:
         broker_connection_retry=True,
         broker_connection_max_retries=None,
         worker_cancel_long_running_tasks_on_connection_loss=False,
+        # An error Redis answers with is recovered from as a lost connection is (the
+        # consumer reconnects), not fatal to the worker: a Redis at its maxmemory refused an
+        # acknowledgement (OOM) and the worker's main process exited, leaving its jobs
+        # without a worker until one was started again.
+        broker_channel_error_retry=True,
         timezone="UTC",
         enable_utc=True,
     )

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 
 import click
 
@@ -146,6 +147,20 @@ def redis_problem(e: Exception) -> str | None:
         return (f"invalid Redis URL {url} ({e}): use redis://HOST:PORT/DB (or rediss://, "
                 f"unix://, sentinel://)")
     return None
+
+
+def check_problems(job_id: str, write) -> Callable[[Exception], None]:
+    """For try_reconcile in a command: why the job could not be brought forward, in one line
+    through `write`, said again only when the reason changes. A Redis that refuses writes
+    (full, a replica) used to show a logger's warning with Redis' raw reply at every poll."""
+    said = []
+
+    def say(e: Exception) -> None:
+        line = redis_problem(e) or f"{type(e).__name__}: {e}"
+        if line not in said:
+            said.append(line)
+            write(f"could not bring job {job_id} forward: {line}")
+    return say
 
 
 def _reason(e: Exception) -> str:
@@ -286,7 +301,8 @@ def wait_for(store, job_id: str, output: str, poll_s: float = 0.5,
                 f"with the same inputs and -o to run the rest")
         return job
     job = record()
-    check = Every(5.0, lambda: try_reconcile(job_id, store))
+    say = check_problems(job_id, lambda line: tqdm.write(line, file=sys.stderr))
+    check = Every(5.0, lambda: try_reconcile(job_id, store, say))
     with tqdm(total=job["requests_total"], unit="req", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:
         down_since = None
@@ -380,7 +396,7 @@ def status(ctx, job_id, as_json):
     from batchspec.jobs.tasks import try_reconcile
     store = _store(ctx)
     _get_job(store, job_id)
-    try_reconcile(job_id, store)
+    try_reconcile(job_id, store, check_problems(job_id, lambda line: click.echo(line, err=True)))
     job = _get_job(store, job_id)
     # Where running and failed shards are (host, pid, attempt, error): where to look.
     info, states = store.shard_info(job_id), store.shard_states(job_id)
@@ -438,7 +454,8 @@ def cancel(ctx, job_id):
     state = store.cancel(job_id)
     if state == "cancelling":   # its queued shards end now; with none running, the job too
         from batchspec.jobs.tasks import try_reconcile
-        try_reconcile(job_id, store)
+        try_reconcile(job_id, store,
+                      check_problems(job_id, lambda line: click.echo(line, err=True)))
         state = store.job_field(job_id, "state") or state
     click.echo(state)
     if state not in ("cancelling", "cancelled"):

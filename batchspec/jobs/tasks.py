@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import pyarrow.parquet as pq
 from celery.signals import worker_process_shutdown
@@ -747,13 +748,18 @@ def reconcile(job_id: str, store: JobStore | None = None) -> str | None:
     return store.job_field(job_id, "state")
 
 
-def try_reconcile(job_id: str, store: JobStore | None = None) -> None:
+def try_reconcile(job_id: str, store: JobStore | None = None,
+                  say: Callable[[Exception], None] | None = None) -> None:
     """reconcile() for a command watching the job (`status`, `submit --wait`): a failure is
-    logged, and the command goes on showing what the store holds."""
+    logged, or passed to `say` (the command's one line), and the command goes on showing
+    what the store holds."""
     try:
         reconcile(job_id, store)
     except Exception as e:
-        log.warning("could not check job %s: %s", job_id, e)
+        if say is None:
+            log.warning("could not check job %s: %s", job_id, e)
+        else:
+            say(e)
 
 
 def reconcile_active(store: JobStore | None = None) -> None:
