@@ -540,29 +540,36 @@ def test_beat_removes_a_damaged_schedule_file_in_one_line(redis_server, tmp_path
     assert "Traceback" not in text and "corrupted" not in text
 
 
-@pytest.mark.parametrize("refusal", ["full", "replica"])
+@pytest.mark.parametrize("refusal", ["full", "replica", "clients"])
 def test_a_redis_that_refuses_writes_fails_submit_in_one_line(redis_server, tmp_path,
                                                                tiny_llama, refusal):
-    """A Redis at its maxmemory (noeviction, as docs/operations.md recommends), or a
-    read-only replica, refuses the job's record: `submit` says which in one line and what
-    to do, exit 1, and writes nothing to OUT."""
+    """A Redis at its maxmemory (noeviction, as docs/operations.md recommends), a read-only
+    replica, or one at its maxclients refuses the job's record (or the connection): `submit`
+    says which in one line and what to do, exit 1, and writes nothing to OUT. At maxclients
+    it used to say Redis could not be reached and to start redis-server."""
     url = redis_server.rsplit("/", 1)[0] + "/13"
     client = redis.Redis.from_url(url)
     path = write_rows(tmp_path / "m.parquet", ["a b c"], [4])
     out = tmp_path / "out"
     old = client.config_get("maxmemory")["maxmemory"]
+    old_clients = client.config_get("maxclients")["maxclients"]
     if refusal == "full":
         client.config_set("maxmemory", 1)          # every write now exceeds it
-    else:
+    elif refusal == "replica":
         client.execute_command("REPLICAOF", "127.0.0.1", "1")   # a master never reached
+    else:                                          # no connection beyond those open now
+        client.config_set("maxclients", len(client.client_list()))
     try:
         r = batchspec(url, "submit", path, "-o", out, "--model", tiny_llama)
     finally:
+        client.config_set("maxclients", old_clients)
         client.config_set("maxmemory", old)
         client.execute_command("REPLICAOF", "NO", "ONE")
     line = {"full": f"Error: Redis at {url} is full (used memory > maxmemory) and refuses "
                     f"writes",
-            "replica": f"Error: Redis at {url} is a read-only replica: point --broker"}[refusal]
+            "replica": f"Error: Redis at {url} is a read-only replica: point --broker",
+            "clients": f"Error: Redis at {url} has as many clients as its maxclients allows "
+                       f"and refuses more: raise its maxclients"}[refusal]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert any(ln.startswith(line) for ln in r.stderr.splitlines()), r.stderr
     assert not out.exists(), r.stderr

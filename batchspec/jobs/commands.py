@@ -130,6 +130,10 @@ def redis_problem(e: Exception) -> str | None:
             or "invalid password" in text:
         return (f"Redis at {url} refused the credentials ({e}): put the right password in "
                 f"the URL, redis://:PASSWORD@HOST:PORT/DB")
+    if "max number of clients reached" in text:
+        return (f"Redis at {url} has as many clients as its maxclients allows and refuses "
+                f"more: raise its maxclients (CONFIG SET maxclients N, and in redis.conf), or "
+                f"close idle clients")
     if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OperationalError)):
         return (f"cannot reach Redis at {url} ({_reason(e)}): start redis-server, or pass "
                 f"--broker / set BATCHSPEC_REDIS_URL")
