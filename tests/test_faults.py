@@ -974,3 +974,36 @@ def test_a_redis_full_for_a_while_mid_job_holds_the_job_up_but_it_ends(start_wor
         if waiting is not None and waiting.poll() is None:
             waiting.kill()
         server.stop()
+
+
+def test_a_shards_files_removed_from_out_mid_job_fail_the_job_saying_so(
+        start_worker, redis_server, slow_model, tmp_path):
+    """A completed shard's files are removed from OUT while the job runs (a clean-up of the
+    directory, say): the job ends `failed`, naming the shard and what to do, with no
+    `_SUCCESS`. It used to end `completed` with `_SUCCESS`, two of its eight rows in no file
+    and nothing saying so. Submitted again, the job runs that shard alone and completes."""
+    url = redis_server.rsplit("/", 1)[0] + "/7"  # own database: only this worker
+    store = JobStore(url)
+    store.r.flushdb()
+    worker = start_worker("cleaned", url=url, **FAST_LEASES)
+    job_id, _, out = job_with_a_shard_on(store, url, worker, "g", slow_model, tmp_path)
+    done = wait_until(lambda: [s for s, st in store.shard_states(job_id).items()
+                               if st == "completed"], 120, "a shard to complete", 0.02)[0]
+    for kind in ("outputs", "acceptance", "errors"):
+        (out / kind / f"part-{done}.parquet").unlink()
+    wait_until(lambda: job_state(store, job_id) in FINAL, 300, "the job to end", 0.2)
+    job = store.get(job_id)
+    error = (f"the files of shard {done} are gone from {out} (removed while the job ran?): "
+             f"their 2 requests have no output; submit the job again with the same inputs "
+             f"and -o to run them")
+    assert (job["state"], job.get("error")) == ("failed", error), worker.tail()
+    assert not (out / "_SUCCESS").exists()
+    doc = json.loads((out / "_job.json").read_text())
+    assert (doc["state"], doc["missing_shards"]) == ("failed", [done])
+    again = batchspec(url, "submit", tmp_path / "g.parquet", "-o", out, "--model", slow_model,
+                      "--shard-size", 2, "--wait", "-q")
+    assert again.returncode == 0, again.stderr + worker.tail()
+    assert_each_row_once(out, [f"g{i}" for i in range(8)])
+    assert (out / "_SUCCESS").exists()
+    info = store.shard_info(again.stdout.strip().splitlines()[-1])
+    assert sorted(s for s, i in info.items() if not i.get("skipped")) == [done]

@@ -24,15 +24,17 @@ def _where(output: str, openai_files: dict | None = None) -> str:
 
 def ending(state: str, *, completed: int, failed: int, total: int, shards_failed: int,
            shards_total: int, summary: dict | None, output: str,
-           openai_files: dict | None = None) -> str:
-    """How `run` and `submit --wait` end: counts, α, where the outputs are (a job whose
-    inputs hold no rows has none to point at)."""
+           openai_files: dict | None = None, error: str | None = None) -> str:
+    """How `run` and `submit --wait` end: counts, the job's error if it has one, α, where
+    the outputs are (a job whose inputs hold no rows has none to point at)."""
     if not total:
         return f"{state}: the inputs hold no rows; nothing to run"
     summary = summary or {}
     lines = [f"{state}: {completed}/{total} requests done, {failed} failed"
              + (" (reasons in errors/)" if failed else "")
              + (f", {shards_failed}/{shards_total} shards failed" if shards_failed else "")]
+    if error:
+        lines.append(error)
     drafted, accepted = summary.get("total_drafted"), summary.get("total_accepted")
     alpha = f"acceptance rate α {_rate(summary.get('acceptance_rate'))}"
     if drafted:
@@ -56,7 +58,8 @@ def ending_of_doc(doc: dict) -> str:
     return ending(doc["state"], completed=c["requests_completed"], failed=c["requests_failed"],
                   total=c["requests_total"], shards_failed=c["shards_failed"],
                   shards_total=c["shards_total"], summary=doc["summary"],
-                  output=doc["spec"]["output"], openai_files=doc.get("openai_files"))
+                  output=doc["spec"]["output"], openai_files=doc.get("openai_files"),
+                  error=doc.get("error"))
 
 
 def ending_of_record(job: dict, openai_files: dict | None = None) -> str:
@@ -65,7 +68,7 @@ def ending_of_record(job: dict, openai_files: dict | None = None) -> str:
                   failed=job["requests_failed"], total=job["requests_total"],
                   shards_failed=job["shards_failed"], shards_total=job["shards_total"],
                   summary=(job.get("summary") or {}) | {"tokens_per_s": job.get("tokens_per_s")},
-                  output=job["output"], openai_files=openai_files)
+                  output=job["output"], openai_files=openai_files, error=job.get("error"))
 
 
 def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:

@@ -55,10 +55,14 @@ def finalize(spec_dict: dict, shards: list[Shard], *, job_id: str, timings: dict
     not), the numerator of tokens_per_s; None: every token in the files."""
     fs, root = output_fs(spec_dict["output"])
     completed = ok = bad = 0
+    missing = []
     for shard in shards:
         n_ok, n_bad = shard_counts(fs, root, shard)
-        completed += fs.exists(shard_path(root, "outputs", shard))
+        done = fs.exists(shard_path(root, "outputs", shard))
+        completed += done
         ok, bad = ok + n_ok, bad + n_bad
+        if not done and shard.id not in failed_shards:
+            missing.append(shard)
     counts = {"shards_total": len(shards), "shards_completed": completed,
               "shards_failed": len(failed_shards),
               "shards_cancelled": len(shards) - completed - len(failed_shards) if cancelled else 0,
@@ -69,16 +73,32 @@ def finalize(spec_dict: dict, shards: list[Shard], *, job_id: str, timings: dict
     tokens = summary["tokens_generated"] if tokens_run is None else tokens_run
     summary["tokens_per_s"] = throughput(tokens, wall)
     state = final_state(counts, cancelled)
+    error = None
+    if missing and not cancelled:
+        # Every shard has ended, yet these have no outputs file: removed from OUT while the
+        # job ran (they were written: a shard ends completed only after its files). Their
+        # rows are neither in outputs/ nor in errors/; the job is not a success.
+        state, error = "failed", missing_files_error(spec_dict["output"], missing)
     if spec_dict.get("output_format") == "openai":
         extra = (extra or {}) | {"openai_files": write_openai_files(
             fs, root, shards, job_id=job_id, model=spec_dict["model"])}
     doc = {"job_id": job_id, "state": state, "spec": spec_dict, "counts": counts,
            "timings": timings, "summary": summary, "failed_shards": failed_shards,
+           **({"error": error, "missing_shards": [s.id for s in missing]} if error else {}),
            **(extra or {})}
     write_atomic(fs, f"{root}/_job.json", json.dumps(doc, indent=2, default=str).encode())
     if state in SUCCESS:
         write_atomic(fs, f"{root}/_SUCCESS", b"")
     return doc
+
+
+def missing_files_error(output: str, missing: list[Shard]) -> str:
+    ids = [s.id for s in missing]
+    named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+    rows = sum(s.num_rows for s in missing)
+    return (f"the files of shard{'s' if len(ids) > 1 else ''} {named} are gone from {output} "
+            f"(removed while the job ran?): their {rows} requests have no output; submit the "
+            f"job again with the same inputs and -o to run them")
 
 
 # Settings that change what a row's output is. Drafts, k and tau are not among them:

@@ -188,7 +188,7 @@ def finalize_job(job_id: str, store: JobStore | None = None) -> dict:
         return {"job_id": job_id, "state": "failed", "error": error}
     store.set_final(job_id, state=doc["state"], finished_at=finished, summary=doc["summary"],
                     failed_shards=failed, tokens_generated=doc["summary"]["tokens_generated"],
-                    **doc["counts"])
+                    **({"error": doc["error"]} if doc.get("error") else {}), **doc["counts"])
     store.expire(job_id, job_ttl_s())
     log.info("job %s %s", job_id, doc["state"])
     return doc
