@@ -932,8 +932,9 @@ def test_a_shard_generates_on_while_its_workers_path_to_redis_hangs(slow_model, 
         server.stop()
 
 
+@pytest.mark.parametrize("stream", ["0", "1"])
 def test_a_redis_full_for_a_while_mid_job_holds_the_job_up_but_it_ends(start_worker, tmp_path,
-                                                                        slow_model):
+                                                                        slow_model, stream):
     """Redis reaches its maxmemory (noeviction) while a shard generates, and refuses writes
     until memory is raised again. The worker's consumer, refused a write (a message's
     acknowledgement, or its delivery), reconnects as after a lost connection; it used to
@@ -943,7 +944,8 @@ def test_a_redis_full_for_a_while_mid_job_holds_the_job_up_but_it_ends(start_wor
     server = RedisServer(tmp_path / "redis").start()
     waiting = None
     try:
-        worker = start_worker("full-redis", url=server.url, **FAST_LEASES)
+        worker = start_worker(f"full-redis{stream}", url=server.url, BATCHSPEC_STREAM=stream,
+                              **FAST_LEASES)
         store = JobStore(server.url, retry_s=30)
         client = redis.Redis.from_url(server.url)
         n = 8
