@@ -998,8 +998,8 @@ def test_a_shards_files_removed_from_out_mid_job_fail_the_job_saying_so(
     wait_until(lambda: job_state(store, job_id) in FINAL, 300, "the job to end", 0.2)
     job = store.get(job_id)
     error = (f"the files of shard {done} are gone from {out} (removed while the job ran?): "
-             f"their 2 requests have no output; submit the job again with the same inputs "
-             f"and -o to run them")
+             f"their 2 requests have no output; run or submit the job again with the same "
+             f"inputs and -o to run them")
     assert (job["state"], job.get("error")) == ("failed", error), worker.tail()
     assert not (out / "_SUCCESS").exists()
     doc = json.loads((out / "_job.json").read_text())

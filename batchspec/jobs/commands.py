@@ -153,11 +153,14 @@ def redis_problem(e: Exception) -> str | None:
     return None
 
 
-def check_problems(job_id: str, write) -> Callable[[Exception], None]:
+def check_problems(job_id: str, write: Callable[[str], None] | None = None
+                   ) -> Callable[[Exception], None]:
     """For try_reconcile in a command: why the job could not be brought forward, in one line
-    through `write`, said again only when the reason changes. A Redis that refuses writes
-    (full, a replica) used to show a logger's warning with Redis' raw reply at every poll."""
+    through `write` (default: stderr), said again only when the reason changes. A Redis that
+    refuses writes (full, a replica) used to show a logger's warning with Redis' raw reply
+    at every poll."""
     said = []
+    write = write or (lambda line: click.echo(line, err=True))
 
     def say(e: Exception) -> None:
         line = redis_problem(e) or f"{type(e).__name__}: {e}"
@@ -400,7 +403,7 @@ def status(ctx, job_id, as_json):
     from batchspec.jobs.tasks import try_reconcile
     store = _store(ctx)
     _get_job(store, job_id)
-    try_reconcile(job_id, store, check_problems(job_id, lambda line: click.echo(line, err=True)))
+    try_reconcile(job_id, store, check_problems(job_id))
     job = _get_job(store, job_id)
     # Where running and failed shards are (host, pid, attempt, error): where to look.
     info, states = store.shard_info(job_id), store.shard_states(job_id)
@@ -458,8 +461,7 @@ def cancel(ctx, job_id):
     state = store.cancel(job_id)
     if state == "cancelling":   # its queued shards end now; with none running, the job too
         from batchspec.jobs.tasks import try_reconcile
-        try_reconcile(job_id, store,
-                      check_problems(job_id, lambda line: click.echo(line, err=True)))
+        try_reconcile(job_id, store, check_problems(job_id))
         state = store.job_field(job_id, "state") or state
     click.echo(state)
     if state not in ("cancelling", "cancelled"):

@@ -192,6 +192,11 @@ def output_busy(job_id: str, output: str) -> OutputBusy:
                       f"another output directory")
 
 
+def iso(t: dt.datetime) -> str:
+    """How the store writes a time (a job's and a shard's stamps)."""
+    return t.isoformat(timespec="milliseconds")
+
+
 class JobStore:
     def __init__(self, url: str, retry_s: float = 0):
         self.url = url
@@ -218,7 +223,7 @@ class JobStore:
         return dt.datetime.fromtimestamp(seconds + micros / 1e6, dt.UTC)
 
     def now_iso(self) -> str:
-        return self.now().isoformat(timespec="milliseconds")
+        return iso(self.now())
 
     def create(self, job_id: str, spec: dict, shards: list[Shard],
                preparing: bool = False) -> None:
@@ -232,7 +237,7 @@ class JobStore:
         output = spec["output"]
         now = self.now()
         fields = {"job_id": job_id, "state": "queued", "spec": json.dumps(spec),
-                  "output": output, "created_at": now.isoformat(timespec="milliseconds"),
+                  "output": output, "created_at": iso(now),
                   **{c: 0 for c in COUNTERS},
                   "shards_total": len(shards),
                   "requests_total": sum(s.num_rows for s in shards)}
@@ -273,8 +278,7 @@ class JobStore:
         missing, say): it ends at once, failed with `error`, and lists among the jobs."""
         now = self.now()
         fields = {"job_id": job_id, "state": "failed", "output": output, "error": error,
-                  "created_at": now.isoformat(timespec="milliseconds"),
-                  "finished_at": now.isoformat(timespec="milliseconds"),
+                  "created_at": iso(now), "finished_at": iso(now),
                   **{c: 0 for c in COUNTERS}}
         pipe = self.r.pipeline()
         pipe.hset(self._key(job_id), mapping=fields)

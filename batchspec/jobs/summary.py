@@ -97,8 +97,8 @@ def missing_files_error(output: str, missing: list[Shard]) -> str:
     named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
     rows = sum(s.num_rows for s in missing)
     return (f"the files of shard{'s' if len(ids) > 1 else ''} {named} are gone from {output} "
-            f"(removed while the job ran?): their {rows} requests have no output; submit the "
-            f"job again with the same inputs and -o to run them")
+            f"(removed while the job ran?): their {rows} requests have no output; run or "
+            f"submit the job again with the same inputs and -o to run them")
 
 
 # Settings that change what a row's output is. Drafts, k and tau are not among them:

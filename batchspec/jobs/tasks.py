@@ -150,7 +150,8 @@ class InBackground:
                 failing = False
             except Exception as e:
                 if not failing:
-                    log.warning("job store unreachable: %s", e)
+                    log.warning("a job store call failed (%s); it is tried again every "
+                                "%.1f s", e, self.interval)
                 failing = True
 
     def stop(self) -> None:
@@ -748,18 +749,14 @@ def reconcile(job_id: str, store: JobStore | None = None) -> str | None:
     return store.job_field(job_id, "state")
 
 
-def try_reconcile(job_id: str, store: JobStore | None = None,
-                  say: Callable[[Exception], None] | None = None) -> None:
-    """reconcile() for a command watching the job (`status`, `submit --wait`): a failure is
-    logged, or passed to `say` (the command's one line), and the command goes on showing
-    what the store holds."""
+def try_reconcile(job_id: str, store: JobStore, say: Callable[[Exception], None]) -> None:
+    """reconcile() for a command watching the job (`status`, `cancel`, `submit --wait`): a
+    failure goes to `say` (the command's one line), and the command goes on showing what the
+    store holds."""
     try:
         reconcile(job_id, store)
     except Exception as e:
-        if say is None:
-            log.warning("could not check job %s: %s", job_id, e)
-        else:
-            say(e)
+        say(e)
 
 
 def reconcile_active(store: JobStore | None = None) -> None:
