@@ -52,6 +52,8 @@ def load_policy_at(rev: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module     # (its dataclasses look their module up)
     spec.loader.exec_module(module)
+    if not hasattr(module.SpecPolicy, "observe_catch_up"):   # (the engine calls it)
+        module.SpecPolicy.observe_catch_up = lambda self, name, seconds, num_rows: None
     return module
 
 
@@ -67,8 +69,11 @@ def held_in_speculation(module=None):
     policy = module or policy
 
     class Held(policy.SpecPolicy):
-        def _slowdown(self, speculate: bool) -> float:
+        def _slowdown(self, speculate: bool) -> float:   # (policies before _corrected_rate)
             return 1e-9 if speculate else super()._slowdown(speculate)
+
+        def _corrected_rate(self, plan) -> float:
+            return float("inf")
 
         def _switch(self, speculate: bool, fresh: bool) -> None:
             # (a weighing whose best plan drafts nothing would hand plain the lead)
@@ -86,8 +91,8 @@ def held_in_plain():
     from batchspec.spec import policy
 
     class Held(policy.SpecPolicy):
-        def _slowdown(self, speculate: bool) -> float:
-            return 1e9 if speculate else super()._slowdown(speculate)
+        def _corrected_rate(self, plan) -> float:
+            return 0.0
 
         def _may_explore(self) -> bool:
             return False

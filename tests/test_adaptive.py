@@ -38,12 +38,13 @@ def rows_with(policy, n, source, p, domain=None, rounds=200):
     return seqs
 
 
-def set_slowdowns(policy, spec, plain):
+def set_slowdowns(policy, spec, plain, rows=4):
     """As if speculating steps had measured `spec` times fewer tokens per second than
     predicted, and plain steps `plain` times fewer; their predicted seconds those of a plain
-    step of 4 rows (1 s for a policy without costs), so that what steps measured beyond
-    their forwards (_overhead_s) is on the scale of the costs."""
-    s = policy.costs.target_s(4, 1) if policy.costs is not None else 1.0
+    step of `rows` rows (1 s for a policy without costs), so that what steps measured beyond
+    their forwards (_overhead_s, which speculation's plans are judged with) is on the scale
+    of the costs."""
+    s = policy.costs.target_s(rows, 1) if policy.costs is not None else 1.0
     policy.measured = {True: [1.0, s, 1.0, s * spec], False: [1.0, s, 1.0, s * plain]}
 
 
@@ -245,14 +246,14 @@ def test_slowdown_is_a_ratio_of_averages_not_an_average_of_ratios():
 
 
 def test_the_other_side_is_tried_ever_more_rarely_while_it_loses():
-    """Speculation leads by a little (measured slowdowns bring the model's 4x down to
-    1.17x): plain is tried for TRY_STEPS measured steps (and one weighed first) after 10,
+    """Speculation leads by a little (its measured excess brings the model's 4x down to
+    1.05x): plain is tried for TRY_STEPS measured steps (and one weighed first) after 10,
     20, 40, 80, 80 ... steps. Far behind (the model's 4x,
     both sides measured as predicted), only every FAR_EXPLORE steps."""
     from batchspec.spec.policy import EXPLORE, FAR_EXPLORE, MAX_EXPLORE, TRY_STEPS
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
-    set_slowdowns(policy, 3.5, 1.0)
+    set_slowdowns(policy, 3.9, 1.0)
     picks = [policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
              for _ in range(32 * EXPLORE)]
     plain = [i for i, p in enumerate(picks, 1) if p == [0] * 4]
@@ -351,7 +352,7 @@ def test_a_try_of_plain_runs_its_steps_as_plain_runs_while_it_leads():
     from batchspec.spec.policy import EXPLORE, TRY_STEPS
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
-    set_slowdowns(policy, 3.5, 1.0)       # speculation leads by a little
+    set_slowdowns(policy, 3.9, 1.0)       # speculation leads by a little (1.05x)
     steps = []
     for _ in range(EXPLORE + TRY_STEPS + 1):
         if policy.plain_step(seqs, 4):
@@ -489,10 +490,49 @@ def test_a_try_at_one_row_drafts_for_it_however_far_behind():
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     (seq,) = rows_with(policy, 1, "d", 0.9)
     seq.prompt_token_ids = seq.token_ids = [1] * 1000
-    set_slowdowns(policy, 3.0, 1.0)
+    set_slowdowns(policy, 3.0, 1.0, rows=1)
     policy._winner = False
     picks = [policy.choose_lengths([(seq, "d", 4, True)], 0) for _ in range(EXPLORE)]
     assert picks[:EXPLORE - 1] == [[0]] * (EXPLORE - 1) and picks[-1] == [4]
+
+
+def test_a_trys_catch_up_is_paid_from_its_budget_not_measured_as_speculations_pace():
+    """A try's step whose draft first caught rows up on their history (observe_catch_up):
+    what that forward took beyond a level's is left out of the step's measured seconds and
+    of the draft's call, and charged to the tries' budget; a lead's step keeps it (a row
+    catches up on its prompt once while speculation leads, a cost it pays)."""
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-3] * 3})
+    set_slowdowns(policy, 1.0, 1.0)
+    policy._winner, policy._trying = False, True
+    policy._draft_timed["d"] = [1e-3, 1e-3, 10]
+    policy._chosen, policy._draft_pred = (True, 8.0, 0.05, True), {"d": 1e-3}
+    policy.observe_catch_up("d", 0.031, 4)          # 0.030 s beyond a level over 4 rows
+    policy.observe_draft("d", 0.032)
+    assert policy._draft_timed["d"][1] == pytest.approx(1e-3 + 0.1 * (0.002 - 1e-3))
+    policy.observe(0.08, 8)
+    spec = policy.measured[True]
+    assert spec[3] == pytest.approx(0.05)           # the try's mean: its one step, less 0.030
+    assert policy._explore_s == pytest.approx(0.08 - 8 * 0.01)   # (plain: 4 tokens a 0.04 s)
+    policy._trying, policy._winner = False, True    # a lead's step: measured in full
+    policy._chosen = (True, 8.0, 0.05, False)
+    policy.observe_catch_up("d", 0.031, 4)
+    policy.observe(0.08, 8)
+    assert spec[3] > 0.05
+
+
+def test_speculations_measured_excess_is_added_to_a_plan_not_scaled_with_it():
+    """A speculating step costs a fixed amount beyond its forwards (the drafts' calls,
+    verification, the plan itself) whatever its slots: measured on a try of one slot, it is
+    added to the seconds of the plan over every row, not multiplied with them. Scaled, the
+    excess a try of one slot measured at 32 rows (1.6-2.3x its forwards) kept plain ahead
+    of plans whose steps measured 1.16x theirs."""
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    policy.measured = {True: [33.0, 0.33, 33.0, 0.55], False: [32.0, 0.32, 32.0, 0.34]}
+    plan = (100, 0.0, 120.0, 0.8)       # (slots, rate, tokens, seconds): a plan of 100 slots
+    assert policy._corrected_rate(plan) == pytest.approx(120.0 / (0.8 + 0.22))
+    assert policy._corrected_rate(plan) > 32 / 0.34 * 1.05 > 120.0 / 0.8 / (0.55 / 0.33)
+    policy.measured[True][2] = 16.5      # half the tokens predicted: half the rate
+    assert policy._corrected_rate(plan) == pytest.approx(60.0 / (0.8 + 0.22))
 
 
 def test_the_lead_is_weighed_on_every_row_though_a_try_drafts_for_few():
@@ -573,13 +613,13 @@ def test_a_try_that_shows_the_other_side_ahead_hands_it_the_lead():
     assert all(picks[EXPLORE - 1:]) and policy._winner is True
 
 
-@pytest.mark.parametrize("spec_slowdown,leads", [(4.0, False), (3.7, True)])
+@pytest.mark.parametrize("spec_slowdown,leads", [(3.7, False), (3.5, True)])
 def test_the_side_behind_takes_the_lead_only_when_clearly_ahead(spec_slowdown, leads):
-    """Plain leads; a try measures speculation's corrected rate 2% above plain's (4.0) or
-    11% (3.7): within SWITCH_MARGIN it stays behind (sides within noise of each other would trade the
-    lead, each switch costing the drafts' catch-up), beyond it takes the lead."""
+    """Plain leads; a try measures speculation's corrected rate 10% above plain's (3.7) or
+    16% (3.5): within SWITCH_MARGIN it stays behind (sides within noise of each other would
+    trade the lead, each switch costing the drafts' catch-up), beyond it takes the lead."""
     from batchspec.spec.policy import EXPLORE, SWITCH_MARGIN, TRY_STEPS
-    assert 1.02 < SWITCH_MARGIN < 1.11
+    assert 1.10 <= SWITCH_MARGIN < 1.16
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
     set_slowdowns(policy, 4.5, 1.0)            # close behind in its last try
@@ -864,11 +904,12 @@ def test_plans_admit_slots_by_survival_per_cost():
     assert [depth[j] for j in order] == sorted(depth[j] for j in order)
 
 
-def test_a_drafts_measured_calls_scale_its_cost_in_plans_and_routing():
+def test_a_drafts_measured_calls_scale_its_cost_in_routing_not_in_plans():
     """A model draft's calls measured at three times what the start-up costs predict for
-    the levels they ran: once DRAFT_TIMED_MIN are timed, plans price its slots at three
-    times the draft's forwards, and a routed row that took the model's drafts at one row
-    takes the lookup's; a step not predicted (no lengths chosen) is not timed."""
+    the levels they ran: once DRAFT_TIMED_MIN are timed, a routed row that took the model's
+    drafts at one row takes the lookup's; plans still price a slot at the draft's forward
+    (what a call takes beyond it is the call's own, not a slot's); a step not predicted
+    (no lengths chosen) is not timed."""
     from batchspec.spec.policy import DRAFT_TIMED_MIN
     policy = make_policy({})
     policy.costs = StepCosts([1, 32], target={
@@ -888,10 +929,34 @@ def test_a_drafts_measured_calls_scale_its_cost_in_plans_and_routing():
         policy.observe_draft("d", 3 * 4 * 0.001)
     assert policy.draft_scale("d") == pytest.approx(3.0)
     after = policy._plan(rows, probs, set(), 1)
-    assert before[0] == 4 and after[0] == 3       # dearer drafts buy fewer slots
-    assert before[3] - target_s == pytest.approx(4 * 0.001)
-    assert after[3] - policy.costs.target_tokens_s(1, 4) == pytest.approx(3 * 3 * 0.001)
+    assert before[0] == after[0] == 4
+    assert before[3] == after[3] and before[3] - target_s == pytest.approx(4 * 0.001)
     assert policy.prefer_lookup(seq, "d", "look", 2, 0.1, num_rows=1)
+
+
+def test_a_row_sampled_pays_what_sampling_adds_to_each_of_its_slots():
+    """At T > 0 a slot also costs verification's sampling and a model draft's draw
+    (StepCosts.verify_token_s, draft_sample_s, timed at start-up): a plan's seconds carry
+    them for the sampled rows' slots only, and dear enough, they buy fewer slots."""
+    costs = StepCosts([1, 32], target={
+        q: [0.01 * (1 + 0.0125 * (q - 1)), 0.04 * (1 + 0.5 * (q - 1))] for q in range(1, 6)},
+        draft={"d": [0.001, 0.0064]})
+    policy = make_policy({})
+    policy.costs = costs
+    cold, hot = rows_with(policy, 2, "d", 0.8)
+    cold.params = SamplingParams(temperature=0.0)
+    hot.params = SamplingParams(temperature=0.8)
+    rows = [(cold, "d", 4, True), (hot, "d", 4, True)]
+    probs = [policy.depth_probs(seq, "d", 4) for seq, *_ in rows]
+    free = policy._plan(rows, probs, set(), 2)
+    costs.verify_token_s, costs.draft_sample_s["d"] = 1e-4, 2e-4
+    priced = policy._plan(rows, probs, set(), 2)
+    assert free[0] == priced[0] == 8
+    assert priced[3] - free[3] == pytest.approx(4 * 3e-4)    # the hot row's four slots
+    costs.draft_sample_s["d"] = 0.01
+    dear = policy._plan(rows, probs, set(), 2)
+    _, _, _, _, order, row, _ = dear
+    assert dear[0] == 4 and {row[j] for j in order[:dear[0]]} == {0}
 
 
 def test_a_routed_rows_unused_lookup_drafts_are_judged_against_what_it_commits(
@@ -1049,8 +1114,9 @@ def test_plans_are_the_best_prefix_of_the_slot_order(most_rows):
     """A plan is the best prefix of its slots' order by expected tokens over the forwards'
     seconds plus extra_s, each prefix priced from the costs' public functions (the target
     over the prefix's tokens, each model draft's forward at each depth over the rows it
-    drafts there, scaled by the draft's measured ratio): over random rows, sources, costs,
-    survival ties and skipped rows, of up to 4 rows and up to 40."""
+    drafts there, unscaled by the draft's measured ratio, and for each slot of a sampled
+    row what sampling adds): over random rows, sources, temperatures, costs, survival ties
+    and skipped rows, of up to 4 rows and up to 40."""
     import random
     rng = random.Random(0)
     for trial in range(200):
@@ -1060,11 +1126,15 @@ def test_plans_are_the_best_prefix_of_the_slot_order(most_rows):
         policy = make_policy(target, {"a": [1e-3, 2e-3, 9e-3], "b": [2e-4, 5e-4, 4e-3]})
         if trial % 3 == 0:      # a draft whose calls measured slower than predicted
             policy._draft_timed["a"] = [1.0, 1.5, 10]
+        if trial % 4 == 1:      # what sampling adds to a slot at T > 0
+            policy.costs.verify_token_s = rng.choice([1e-4, 1e-3])
+            policy.costs.draft_sample_s.update(a=rng.choice([0.0, 2e-3]), b=1e-4)
         num = rng.randint(1, most_rows)
         rows = []
         for _ in range(num):
             src = rng.choice(["a", "b", "look"])
             seq = rows_with(policy, 1, src, rng.choice([0.3, 0.6, 0.9, 0.9]))[0]
+            seq.params = SamplingParams(temperature=rng.choice([0.0, 0.8]))
             rows.append((seq, src, rng.randint(1, 4), src != "look"))
         if trial % 2:          # survival ties within and across depths (0.5 * 0.5 = 0.25)
             probs = [[rng.choice([0.25, 0.5, 0.75]) for _ in range(n)] for _, _, n, _ in rows]
@@ -1085,15 +1155,19 @@ def test_plans_are_the_best_prefix_of_the_slot_order(most_rows):
         if not slots:       # every row skipped: no plan
             assert (n, tokens, seconds) == (0, 0.0, 0.0)
             continue
-        # each slot's key (survival, per second of cost where sources differ), most first
+        # each slot's key (survival, per second of cost where slots' prices differ), most
+        # first
         token_s = policy.costs.verified_token_s(num_rows) + 1e-12
+        sampled = [(policy.costs.verify_token_s + (policy.costs.draft_sample_s.get(r[1], 0.0)
+                                                    if r[3] else 0.0))
+                   if r[0].params.temperature > 0 else 0.0 for r in rows]
+        differ = len({(r[1], r[3]) for r in rows}) > 1 or len(set(sampled)) > 1
         key = {}
         for i, d in slots:
             src, is_model = rows[i][1], rows[i][3]
-            unit = token_s + (policy.costs.draft_row_s(src, num) * policy.draft_scale(src)
-                              if is_model else 0.0)
-            key[i, d] = survive[i, d] / unit if len({(r[1], r[3]) for r in rows}) > 1 \
-                else survive[i, d]
+            unit = token_s + sampled[i] + (policy.costs.draft_row_s(src, num)
+                                           if is_model else 0.0)
+            key[i, d] = survive[i, d] / unit if differ else survive[i, d]
         for (i, d), (i2, d2) in zip(slots, slots[1:]):
             assert (-key[i, d], d, i) <= (-key[i2, d2], d2, i2)
         best = None
@@ -1103,8 +1177,8 @@ def test_plans_are_the_best_prefix_of_the_slot_order(most_rows):
                 if rows[i][3]:
                     counts[rows[i][1], d] = counts.get((rows[i][1], d), 0) + 1
             sec = policy.costs.target_tokens_s(num_rows, num_rows + m) + sum(
-                policy.costs.draft_s(src, c) * policy.draft_scale(src)
-                for (src, _), c in counts.items())
+                policy.costs.draft_s(src, c) for (src, _), c in counts.items()) + \
+                sum(sampled[i] for i, _ in slots[:m])
             tok = num_rows + sum(survive[s] for s in slots[:m])
             if best is None or tok / (sec + extra_s) > best[0] * (1 + 1e-9):
                 best = (tok / (sec + extra_s), m, tok, sec)

@@ -127,8 +127,10 @@ def test_draft_steps_in_cpp_are_the_python_loop(model_factory, head, monkeypatch
             s.block_table, s.spec.num_draft_computed = tables[i], len(p)
             seqs.append(s)
         proposer = DraftModelProposer(runner, 0.0)   # rows 0-3 all in the call; row 4 after
-        out = proposer.propose(list(zip(seqs[:4], drafts))) + \
-            proposer.propose([(seqs[4], drafts[4])])     # a first step by the forward
+        out = proposer.propose(list(zip(seqs[:4], drafts)))
+        assert proposer.catch_up == (0.0, 0)    # every row's pending tokens fit the steps
+        out += proposer.propose([(seqs[4], drafts[4])])     # a first step by the forward,
+        assert proposer.catch_up[0] > 0.0 and proposer.catch_up[1] == 1   # timed apart
         assert runner.steps_in_one_call == cpp
         return out, [s.spec.num_draft_computed for s in seqs], \
             [c.clone() for pair in runner.kv_caches for c in pair]
@@ -403,6 +405,11 @@ def test_adaptive_k_is_exact_and_measures_costs(tiny_llama, tiny_draft, plain):
         assert costs is not None and costs.batch_sizes == [1, 2, 4]
         assert set(costs.target) == {1, 2, 3, 4, 5}
         assert set(costs.draft) == ({"default"} if name == "random" else set())
+        # what sampling at T > 0 adds to a slot: the model draft's draw is timed (against
+        # its greedy steps) where its steps run in one call, as on this CPU
+        runner = llm.engine.proposers["default"].runner if name == "random" else None
+        assert set(costs.draft_sample_s) == \
+            ({"default"} if runner is not None and runner.steps_in_one_call else set())
         outs[name] = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         for p, o in zip(plain, outs[name]):
             assert o.token_ids == p.token_ids

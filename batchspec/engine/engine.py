@@ -184,6 +184,7 @@ class Engine:
         runs["prompt"] = ((lambda: self.target.forward(
             [[0]] * max_b + [[0] * prompt], [ctx] * max_b + [0], tables + tables[:1],
             [1] * (max_b + 1)).sum().item()), 1, self.target.device)
+        runs.update(self._sampling_runs(runners, max_b, k, ctx, tables))
         self._warm_verification()
         # Every shape is timed once a round, round after round, and keeps its fastest: the
         # machine's speed drifts while this runs, and timing the shapes one after another
@@ -206,12 +207,57 @@ class Engine:
             for name in names:
                 costs.draft[name] = [best[key, b] for b in grid]
         costs.prompt_token_s = max(0.0, best["prompt"] - best["target", 1, max_b]) / prompt
+        slots = max_b * k
+        costs.verify_token_s = max(0.0, best["verify", 1.0] - best["verify", 0.0]) / slots
+        for key, names in served.items():
+            if ("draw", key) in best:
+                for name in names:
+                    costs.draft_sample_s[name] = max(
+                        0.0, best["draw", key] - k * best[key, max_b]) / slots
         costs.smooth()
-        log.info("step costs (ms) at B=%s: target %s; drafts %s; a prompt token %.4f", grid,
+        log.info("step costs (ms) at B=%s: target %s; drafts %s; a prompt token %.4f; a "
+                 "drafted token at T > 0: verification %.4f, drafts' draws %s", grid,
                  {q: [round(1e3 * t, 2) for t in v] for q, v in costs.target.items()},
                  {n: [round(1e3 * t, 2) for t in v] for n, v in costs.draft.items()},
-                 1e3 * costs.prompt_token_s)
+                 1e3 * costs.prompt_token_s, 1e3 * costs.verify_token_s,
+                 {n: round(1e3 * t, 4) for n, t in costs.draft_sample_s.items()})
         return costs
+
+    def _sampling_runs(self, runners: dict[str, ModelRunner], b: int, k: int, ctx: int,
+                       tables: list[list[int]]) -> dict:
+        """Shapes that time what sampling at T > 0 adds to a round of b rows drafting k tokens
+        each, beyond the forwards (which are timed greedy): verification of the k + 1
+        windows with the drafts' q (gathered into one tensor, as _verify_metadata does) at
+        T = 1 against T = 0, and each model draft's k steps in one call drawing from q
+        (softmax over the vocabulary, q kept per row as propose keeps it) against its greedy
+        steps. At 32 rows and T = 0.8 a fixed k = 4 spent 3.8 ms a step in its draft's calls
+        against 2.2 at T = 0, and 0.9 ms verifying against 0.13: about 19 us a drafted token
+        that the greedy forwards leave out (benchmarks/step_phases.py)."""
+        dev, V = self.target.device, self.target.cfg.vocab_size
+        logits = self.target.forward([[0] * (k + 1)] * b, [ctx] * b, tables[:b], [k + 1] * b,
+                                     float_logits=False)    # (as a step's: its dtype)
+        q = torch.softmax(torch.randn(b, k, V), dim=-1).to(dev)
+        ids = torch.randint(V, (b * k,), dtype=torch.int32, device=dev)
+        cu = torch.arange(0, b * k + 1, k, dtype=torch.int32, device=dev)
+        i64 = dict(dtype=torch.int64, device=dev)
+
+        def meta(t: float, probs) -> VerifyMetadata:
+            return VerifyMetadata(ids, cu, torch.full((b,), t, device=dev),
+                                  torch.arange(b, **i64), torch.zeros(b, **i64),
+                                  draft_probs=probs, max_num_draft=k)
+        runs = {("verify", 0.0): (lambda: verify(logits, meta(0.0, None), self.verify_backend,
+                                                 resolved=True), 1, dev),
+                ("verify", 1.0): (lambda: verify(logits, meta(1.0, torch.cat(
+                    [torch.stack(q[a].unbind(0)) for a in range(b)])), self.verify_backend,
+                    resolved=True), 1, dev)}
+        sampling = ([1.0] * b, list(range(b)), [0] * b, [0] * b, [1.0] * b)
+        for runner in {id(r): r for r in runners.values() if r.steps_in_one_call}.values():
+            def draw(runner=runner):
+                _, qs = runner.draft_steps([[0]] * b, [ctx] * b, tables[:b], [k] * b, 0,
+                                           sampling)
+                return [torch.stack(qs[a, :k].unbind(0)) for a in range(b)]
+            runs["draw", id(runner)] = (draw, 1, runner.device)
+        return runs
 
     def _warm_verification(self) -> None:
         """Load (on first use: build) the verification op now, so that no timed step pays
@@ -394,7 +440,11 @@ class Engine:
                 t0 = time.perf_counter()
                 self._draft(name, group)
                 if chose:
-                    self.policy.observe_draft(name, time.perf_counter() - t0)
+                    seconds = time.perf_counter() - t0
+                    catch_up_s, num = self.proposers[name].catch_up
+                    if catch_up_s:
+                        self.policy.observe_catch_up(name, catch_up_s, num)
+                    self.policy.observe_draft(name, seconds)
         return chose
 
     def _runs_plain(self) -> bool:

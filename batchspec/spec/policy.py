@@ -37,13 +37,16 @@ MAX_P = 0.98
 # verification costs it leaves out). The first try comes EXPLORE steps after a side takes
 # the lead, and the gap doubles with each try that does not change the lead, up to
 # MAX_EXPLORE: a side that keeps losing costs ever fewer steps. A side whose corrected rate
-# is below TRY_MARGIN of the leader's is tried only every FAR_EXPLORE steps. A try runs
+# is below TRY_MARGIN of the leader's is tried only every FAR_EXPLORE steps (at 32 rows and
+# T = 0.8, where speculation loses, plans judged on their measured excess came to 0.71-0.95
+# of plain, and with a margin of 0.8 tries every 80 steps cost about 1.5% of a run that
+# stays plain; where speculation pays, T = 0, they come above 1). A try runs
 # TRY_STEPS measured steps (one step's time is noisy on a shared machine), and more, up to
 # MAX_TRY_STEPS, until they add up to TRY_MIN_S (three steps of 2.5 ms at 8 rows told
 # sides 5% apart from each other by chance), unless a try of plain measures it below
 # TRY_MARGIN of speculation's pace by then (_plain_far_behind); one more runs first,
 # unmeasured (see choose_lengths).
-EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.8, 3
+EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.9, 3
 TRY_MIN_S, MAX_TRY_STEPS = 0.03, 12
 # Tries are also held to a budget: what they cost beyond the leading side's measured time
 # for the same tokens, summed, stays within this share of all measured steps' time (a try's
@@ -55,8 +58,12 @@ EXPLORE_BUDGET = 0.01
 # first try of a mix of temperatures and band of batch sizes, which drafts for every row.
 CATCH_UP_PER_ROW = 4
 # Speculation takes the lead from plain only once its corrected rate beats plain's by this
-# factor (plain takes it back as soon as it is ahead).
-SWITCH_MARGIN = 1.05
+# factor (plain takes it back as soon as it is ahead). Judged on its measured excess (a few
+# steps of a try), its rate against plain's spread over 0.72-1.11 within a job at 8 rows and
+# T = 0.8, where it loses, and over 0.79-1.29 at 64 rows and T = 0, where a fixed k made
+# 1.04-1.09x: with a margin of 1.05 its leads there lost 1-6% against plain's; with 1.1, they
+# were rarer and cost 0.8% at 64 rows, and 8 rows at T = 0.8 no longer lost.
+SWITCH_MARGIN = 1.1
 # The prompt row timed at start-up (StepCosts.prompt_token_s); steps that run more prompt
 # tokens than twice this are not measured (attention grows with the prompt's square).
 PROMPT_TIMED = 64
@@ -64,9 +71,9 @@ PROMPT_TIMED = 64
 # one (_use_mix): a worker serving jobs of many temperatures holds a bounded state.
 MAX_MIXES = 64
 # A model draft's measured time against what the start-up costs predict for the levels it
-# ran (SpecPolicy.observe_draft): the draft's costs in plans and routing are scaled by the
-# ratio of the averages once DRAFT_TIMED_MIN calls are timed; averages over the first
-# 1/DRAFT_WEIGHT calls, EMAs after.
+# ran (SpecPolicy.observe_draft): the draft's row in routing (prefer_lookup) is scaled by
+# the ratio of the averages once DRAFT_TIMED_MIN calls are timed; averages over the first
+# 1/DRAFT_WEIGHT calls, EMAs after. (Plans price a draft slot unscaled: see _plan.)
 DRAFT_TIMED_MIN, DRAFT_WEIGHT = 3, 0.1
 # A source may put each draft in a class by its own evidence (suffix drafts: the token's
 # share of its trie's continuations and the match length, suffix.evidence_class); each
@@ -87,6 +94,12 @@ class StepCosts:
     target: dict[int, list[float]] = field(default_factory=dict)   # q -> seconds per B
     draft: dict[str, list[float]] = field(default_factory=dict)    # draft -> seconds per B
     prompt_token_s: float = 0.0
+    # what a drafted token adds at T > 0 beyond the greedy forwards: to verification (the
+    # drafts' q gathered, the target's distribution at the slot, the ratio test), and to a
+    # model draft's step (its draw from q, a softmax over the vocabulary kept for
+    # verification): Engine._sampling_runs
+    verify_token_s: float = 0.0
+    draft_sample_s: dict[str, float] = field(default_factory=dict)
     # derived tables, filled on first use (the timings do not change after smooth())
     _per_q: dict = field(default_factory=dict, repr=False)
     _windows: dict = field(default_factory=dict, repr=False)
@@ -262,6 +275,8 @@ class SpecPolicy:
         # calls timed (observe_draft), for the current mix; this step's predictions
         self._draft_timed: dict[str, list[float]] = {}
         self._draft_pred: dict[str, float] = {}
+        # this step's drafts' catch-up beyond a level, in all and per draft (observe_catch_up)
+        self._catch_up_s, self._catch_up = 0.0, {}
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
@@ -486,7 +501,7 @@ class SpecPolicy:
         extra_s = self._overhead_s()
         full = self._plan(rows, probs, set(), num_rows, extra_s)
         spec_n = full[0]
-        spec_c, plain_c = full[1] / self._slowdown(True), plain_rate / self._slowdown(False)
+        spec_c, plain_c = self._corrected_rate(full), plain_rate / self._slowdown(False)
         # speculation takes the lead from plain only when ahead by SWITCH_MARGIN: sides
         # within noise of each other would otherwise trade it back and forth, and each
         # switch to speculation costs the drafts' catch-up. It keeps the lead only while
@@ -580,6 +595,20 @@ class SpecPolicy:
             pred[src] = total
         return pred
 
+    def observe_catch_up(self, name: str, seconds: float, num_rows: int) -> None:
+        """Model draft `name`'s call this step began with a forward that caught num_rows rows'
+        drafts up on more than a few tokens each (a new row's prompt, a row drafted for
+        again after plain steps), in `seconds`. What it took beyond a level's forward over
+        those rows is left out of the call's time (observe_draft) and, in a try of
+        speculation, of the step's (observe): it is a cost of switching, which the try's
+        budget pays, not of the steps speculation runs once it leads, where a row catches up
+        on a prompt once. At 32 rows, T = 0, tries drafted for the 1-3 rows least behind,
+        often new rows reading their prompts, and measured speculating steps at 1.6-2.3x
+        their predicted seconds where steps of speculation's full plans measured 1.16x."""
+        extra = max(0.0, seconds - self.costs.draft_s(name, num_rows) * self.draft_scale(name))
+        self._catch_up[name] = self._catch_up.get(name, 0.0) + extra
+        self._catch_up_s += extra
+
     def observe_draft(self, name: str, seconds: float) -> None:
         """Fold the measured seconds of model draft `name`'s call this step (the lengths
         choose_lengths chose; not a try's first step nor a lead's, which bring the draft up to
@@ -591,6 +620,7 @@ class SpecPolicy:
         priced at 3.6 ms, and routed rows chose it over suffix drafts that made more tokens
         per second. A call more than 10x off its prediction is left out; after
         DRAFT_TIMED_MIN calls, one counts at most twice (or half) the usual ratio."""
+        seconds -= self._catch_up.pop(name, 0.0)
         pred = self._draft_pred.pop(name, None)
         if not pred or not 0.0 < seconds < 10.0 or not 0.1 <= seconds / pred <= 10.0:
             return
@@ -681,23 +711,32 @@ class SpecPolicy:
                 row.append(i)
         if not survive:
             return 0, 0.0, 0.0, 0.0, [], row, depth
+        # a row sampled at T > 0 also pays, per slot, what sampling adds (verification's
+        # share and, for a model draft, its draw: StepCosts.verify_token_s, draft_sample_s),
+        # which the greedy forwards timed leave out: at 32 rows and T = 0.8 about a fifth
+        # of a slot's price
+        sampled = [costs.verify_token_s + (costs.draft_sample_s.get(src, 0.0) if is_model
+                                           else 0.0)
+                   if seq.params.temperature > 0 else 0.0
+                   for seq, src, _, is_model in rows]
         # slots by survival per second of cost, most first (ties: shallower, then earlier
-        # rows): a slot costs what its token adds to the target's forward and, for a model
-        # draft, a row of its forward (on average over the step's rows). With one source
-        # that is the order of survival; where rows draft from a model and from a lookup,
-        # a free lookup draft goes before a model's draft a little likelier to hold
-        # (by survival alone, routed rows' model drafts at 32 rows came first, and the
-        # plans they made no longer beat plain).
+        # rows): a slot costs what its token adds to the target's forward, for a model
+        # draft a row of its forward (on average over the step's rows) and, sampled, what
+        # sampling adds. Where every row's slots cost the same, that is the order of
+        # survival; where rows draft from a model and from a lookup, a free lookup draft
+        # goes before a model's draft a little likelier to hold (by survival alone, routed
+        # rows' model drafts at 32 rows came first, and the plans they made no longer beat
+        # plain).
         sources = {(src, is_model) for _, src, _, is_model in rows}
         if row[-1] == row[0]:     # one row: its slots in order of depth (survival falls)
             order = list(range(len(survive)))
         else:
-            if len(sources) > 1:
+            if len(sources) > 1 or min(sampled) != max(sampled):
                 token_s = costs.verified_token_s(num_rows) + 1e-12
-                unit = {src: token_s + (costs.draft_row_s(src, len(rows)) *
-                                        self.draft_scale(src) if is_model else 0.0)
-                        for src, is_model in sources}
-                keyed = [(-sp / unit[rows[i][1]], d, i, j)
+                unit = [token_s + sampled[i] +
+                        (costs.draft_row_s(src, len(rows)) if is_model else 0.0)
+                        for i, (_, src, _, is_model) in enumerate(rows)]
+                keyed = [(-sp / unit[i], d, i, j)
                          for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
             else:
                 keyed = [(-sp, d, i, j)
@@ -705,10 +744,16 @@ class SpecPolicy:
             keyed.sort()     # (row, depth) pairs are unique: the slot's index never decides
             order = [j for _, _, _, j in keyed]
         # each model draft's cost grows with the rows it runs at each depth: a slot at
-        # depth d adds one row to its source's forward at d
-        # (scaled by what the draft's calls measured against their predictions)
-        marginal = {src: [m * self.draft_scale(src) for m in costs.draft_marginal_list(
-            src, len(rows))] for src, is_model in sources if is_model}
+        # depth d adds one row to its source's forward at d. What the draft's calls measure
+        # beyond their forwards (draft_scale: 2.2-2.9x at 32 rows) is not priced per slot: it
+        # is the call's own (Python, the catch-up of the tokens its rows committed, which a
+        # row pays whatever it drafts next), and it is in what speculating steps measure
+        # beyond their prediction (extra_s). Scaled per slot, it priced a slot at 32 rows,
+        # T = 0 at 0.092 ms where dropping one saved about 0.05, and plans held in the lead
+        # drafted 1.9 tokens a row where a fixed k = 4 drafted 3.9 and made 10% more
+        # (the ablation in docs/benchmarks.md, forty-sixth round).
+        marginal = {src: costs.draft_marginal_list(src, len(rows))
+                    for src, is_model in sources if is_model}
         level: dict[tuple[str, int], int] = {}
         windows = costs.windows_s(num_rows)     # the target's time for n slots
         most = len(windows) - 1
@@ -721,6 +766,7 @@ class SpecPolicy:
                 c = level.get((src, depth[j]), 0)
                 level[(src, depth[j])] = c + 1
                 drafts += marginal[src][c]
+            drafts += sampled[row[j]]
             sec = windows[min(n, most)] + drafts
             tokens = num_rows + kept
             rate = tokens / max(sec + extra_s, 1e-12)
@@ -804,18 +850,37 @@ class SpecPolicy:
         chosen, a busier machine). A ratio of averages (tokens and seconds averaged apart),
         not an average of ratios: a speculating step's tokens vary from 1 to k+1 a row, and
         at small batches an average of per-step ratios would overstate the slowdown by far.
-        A side not yet measured borrows the other's."""
+        A side not yet measured borrows the other's. Plain's rate is judged by it;
+        speculation's plans by their measured excess (_corrected_rate)."""
         m = self.measured.get(speculate) or self.measured.get(not speculate)
         if m is None:
             return 1.0
         pred_tokens, pred_s, tokens, seconds = m
         return (pred_tokens / pred_s) / (tokens / seconds)
 
+    def _corrected_rate(self, plan) -> float:
+        """The plan's tokens per second once what speculating steps have measured beyond
+        their predicted seconds (on average; plain's before speculation is measured) is
+        added to its seconds, and its tokens are scaled by their measured / predicted tokens
+        (optimism in the slots picked). An excess, not a ratio: most of what a speculating
+        step costs beyond its forwards (the drafts' calls, verification, the plan itself)
+        does not grow with its slots, and a try that drafted for 1-3 rows of 32 measured
+        1.6-2.3x its forwards where steps of the plan over every row measured 1.16x: as a
+        ratio, that excess multiplied into the full plan kept plain ahead where a fixed k
+        made 1.09-1.18x plain. A negative excess (the machine faster than at start-up)
+        takes at most half the plan's seconds off."""
+        _, _, tokens, seconds = plan[:4]
+        m = self.measured.get(True) or self.measured.get(False)
+        if m is None:
+            return tokens / max(seconds, 1e-12)
+        return tokens * m[2] / m[0] / max(seconds + m[3] - m[1], 0.5 * seconds, 1e-12)
+
     def _overhead_s(self) -> float:
         """What a speculating step has measured beyond its predicted seconds, on average (a
         plain step's, before speculation is measured): scheduling, sampling, verification and
         bookkeeping, which the start-up costs (the forwards alone) leave out and most of
-        which does not grow with the slots admitted (sampling at T > 0 does, per token).
+        which does not grow with the slots admitted (sampling at T > 0, which does, is
+        priced per slot: StepCosts.verify_token_s, draft_sample_s).
         Plans are chosen as if each step also paid it: on the forwards alone, plans at
         32-64 rows and T = 0 made 3.27 tokens a pass where a fixed k = 4 made 3.73-3.82;
         with it, 3.26-3.71 (it moves with what the machine's drift adds to the measured
@@ -899,10 +964,13 @@ class SpecPolicy:
         leading side unmeasured for hundreds of steps. A step more than 10x off the
         prediction (a one-time build, a pause of the process) is left out."""
         self._count_try(seconds, tokens, prompt_tokens)
+        catch_up_s, self._catch_up_s = self._catch_up_s, 0.0
         if self._chosen is None:
             return
         speculate, pred_tokens, pred_s, tried = self._chosen
         self._chosen = None
+        if tried and speculate:
+            seconds -= catch_up_s
         if prompt_tokens:
             if prompt_tokens > 2 * PROMPT_TIMED:
                 return

@@ -13,6 +13,7 @@ Both return, per row, the draft token ids and (model drafts) their probabilities
 the proposer and the verifier meet through that data only."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,10 @@ class DraftModelProposer:
         self.runner = runner
         self.threshold = confidence_threshold
         self.num_params = runner.num_params
+        # seconds and rows of the last propose's catch-up forward: the first, where a row's
+        # draft had more than DECODE_MAX_Q tokens of it to read (a new row's prompt, a row
+        # drafted for again after plain steps); 0.0 when none ran
+        self.catch_up = (0.0, 0)
 
     def finish(self, seq: Sequence, completed: bool) -> None:
         """seq left the engine (its KV blocks go with it)."""
@@ -84,13 +89,17 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
         step = 0
+        self.catch_up = (0.0, 0)
         while active:
             if self._in_one_call(rows, active, feed, out, probs, step):
                 break
             seqs = [rows[i][0] for i in active]
+            t0 = time.perf_counter() if step == 0 else 0.0
             logits = self.runner.forward(
                 [feed[i] for i in active], [s.spec.num_draft_computed for s in seqs],
                 [s.block_table for s in seqs], [1] * len(active))       # [A, V]
+            if step == 0 and any(len(feed[i]) > DECODE_MAX_Q for i in active):
+                self.catch_up = (time.perf_counter() - t0, len(active))
             for s, i in zip(seqs, active):
                 s.spec.num_draft_computed += len(feed[i])
             # (at T = 0 a step's only tensor op besides the forward is the argmax: at small
