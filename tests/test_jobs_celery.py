@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from batchspec.cli import _register, cli
 from batchspec.jobs.states import FINAL as TERMINAL
+from batchspec.jobs.states import iso
 from batchspec.jobs.store import JobStore
 from tests.fixtures_redis import wait_until
 from tests.jobdata import BAD_ROWS, GOOD_IDS, make_inputs, read_dir
@@ -91,6 +92,9 @@ def test_submit_three_files_with_bad_rows(submitted, redis_server):
     doc = json.loads((out / "_job.json").read_text())
     assert doc["state"] == "completed_with_errors" and (out / "_SUCCESS").exists()
     assert doc["counts"]["requests_completed"] == status["requests_completed"]
+    for key in ("created_at", "started_at", "finished_at"):   # as `batchspec run` writes them
+        t = doc["timings"][key]
+        assert t == iso(dt.datetime.fromisoformat(t)), t
     assert job_id in batchspec(redis_server, "jobs").stdout
     r = batchspec(redis_server, "cancel", job_id)
     assert r.returncode == 1 and "nothing to cancel" in r.stderr

@@ -1,6 +1,7 @@
 """`batchspec run`: a whole job in-process on tiny random models, through the CLI."""
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 from batchspec.cli import _register, cli
 from batchspec.contract import ACCEPTANCE_SCHEMA
 from batchspec.jobs.outputs import ERROR_SCHEMA, OUTPUT_SCHEMA
+from batchspec.jobs.states import iso
 from tests.jobdata import BAD_ROWS, GOOD_IDS, job_spec_of, make_inputs, read_dir
 
 _register()
@@ -61,6 +63,10 @@ def test_run_writes_outputs_errors_acceptance(job_out):
     assert doc["summary"]["tokens_generated"] == sum(r["num_output_tokens"] for r in rows)
     assert doc["summary"]["total_drafted"] == sum(records.column("total_drafted").to_pylist())
     assert doc["spec"]["drafts"]["code"] == "ngram"
+    # times written as the store writes them (to the millisecond), whichever path ran the job
+    for key in ("started_at", "finished_at"):
+        t = doc["timings"][key]
+        assert t == iso(dt.datetime.fromisoformat(t)), t
 
 
 def test_rerun_runs_only_missing_shards(job_out, inputs, tiny_llama, tiny_draft):

@@ -30,6 +30,7 @@ from batchspec.jobs.outputs import (
 from batchspec.jobs.rows import check_columns, prepare_requests, row_id, shard_row_ids
 from batchspec.jobs.shards import Shard, expand_inputs, mark_duplicates, plan_shards, read_shard
 from batchspec.jobs.spec import JobSpec, new_job_id
+from batchspec.jobs.states import iso
 from batchspec.jobs.summary import check_output, claim_output, clear_output, finalize
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,7 @@ def fail_shard(output: str, shard: Shard, reason: str) -> None:
 
 
 def utcnow() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    return iso(dt.datetime.now(dt.UTC))
 
 
 class Progress:

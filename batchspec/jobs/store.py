@@ -29,6 +29,7 @@ from redis.retry import Retry
 
 from batchspec.contract import throughput
 from batchspec.jobs.shards import Shard
+from batchspec.jobs.states import iso
 
 PREFIX = "batchspec:"
 # tokens_generated counts the tokens shards made while the job ran, and takes the total of
@@ -190,11 +191,6 @@ def output_busy(job_id: str, output: str) -> OutputBusy:
     return OutputBusy(f"job {job_id} is still running in {output}: wait for it (batchspec "
                       f"status {job_id}), cancel it (batchspec cancel {job_id}), or write to "
                       f"another output directory")
-
-
-def iso(t: dt.datetime) -> str:
-    """How the store writes a time (a job's and a shard's stamps)."""
-    return t.isoformat(timespec="milliseconds")
 
 
 class JobStore:
