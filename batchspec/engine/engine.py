@@ -538,9 +538,11 @@ class Engine:
             b += 1
             if seq.num_output_tokens > 0:  # the first token comes from prefill, not a round
                 seq.record_round(s.num_drafts, m, self.source_label.get(s.source))
-                if estimates:
-                    self.policy.record(seq, s.source, s.num_drafts, m,
-                                       s.proposal.classes if s.proposal is not None else None)
+                if estimates:     # (a round that drafted nothing counts nowhere)
+                    if s.num_drafts:
+                        self.policy.record(seq, s.source, s.num_drafts, m,
+                                           s.proposal.classes if s.proposal is not None
+                                           else None)
                     if s.unused is not None:
                         self._judge_unused(seq, *s.unused, new)
                 if s.proposal is not None and s.proposal.stopped_by_confidence:

@@ -733,8 +733,9 @@ class SpecPolicy:
         else:
             if len(sources) > 1 or min(sampled) != max(sampled):
                 token_s = costs.verified_token_s(num_rows) + 1e-12
-                unit = [token_s + sampled[i] +
-                        (costs.draft_row_s(src, len(rows)) if is_model else 0.0)
+                draft_row = {src: costs.draft_row_s(src, len(rows))   # (once per draft)
+                             for src, is_model in sources if is_model}
+                unit = [token_s + sampled[i] + (draft_row[src] if is_model else 0.0)
                         for i, (_, src, _, is_model) in enumerate(rows)]
                 keyed = [(-sp / unit[i], d, i, j)
                          for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
