@@ -113,6 +113,13 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="default: max(64, 8 x batch size), as batchspec bench's cells")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="lengthen each prompt to at least this many tokens with the next "
+                         "held-out prompts of its domain (a workload of long contexts)")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="empty every engine's prefix cache before each run, as batchspec "
+                         "bench --fresh-prompts (engines whose KV holds fewer of the last "
+                         "run's prompts would otherwise recompute more of them)")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--both-speculate", action="store_true",
                     help="with --against: hold both policies in speculation's lead")
@@ -144,6 +151,8 @@ def main() -> int:
     tok = hfref.load_tokenizer(models["target"])
     ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     domains = [p["domain"] for p in prompts]
+    if args.prompt_tokens:
+        ids = lengthened(ids, domains, args.prompt_tokens)
     names = {"plain": "plain", "tree": args.method, other: args.method}
     if args.with_fixed_k:
         fixed = FIXED_K.get(args.method)
@@ -168,7 +177,8 @@ def main() -> int:
           "paired (share of rows' rounds that drafted, drafts a round)")
     for r in range(args.repeats + 1):
         res = run_engines_in_turns(llms, ids, domains=domains, temperature=args.temperature,
-                                   max_tokens=args.max_tokens)
+                                   max_tokens=args.max_tokens,
+                                   fresh_prompts=args.fresh_prompts)
         # tokens per second (at T > 0 the methods' outputs, so their lengths, differ)
         ratios = {name: res[name]["tokens"] / res[name]["wall_s"]
                   / (res["plain"]["tokens"] / res["plain"]["wall_s"]) for name in speedups}
@@ -184,6 +194,20 @@ def main() -> int:
     print("median: " + ", ".join(f"{name} {statistics.median(v):.3f}"
                                  for name, v in speedups.items()))
     return 0
+
+
+def lengthened(ids: list[list[int]], domains: list[str], num_tokens: int) -> list[list[int]]:
+    """Each prompt followed by the next prompts of its domain (in turn, from its own) until
+    it holds at least num_tokens tokens: rows that start apart and read long contexts."""
+    out = []
+    for i, domain in enumerate(domains):
+        same = [j for j in range(len(ids)) if domains[j] == domain]
+        at, row = same.index(i), []
+        while len(row) < num_tokens:
+            row += ids[same[at % len(same)]]
+            at += 1
+        out.append(row)
+    return out
 
 
 def drafts_a_round(result: dict) -> float:

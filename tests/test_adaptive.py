@@ -1264,3 +1264,58 @@ def test_a_step_weighs_its_plans_under_one_mix_of_temperatures(tiny_llama):
         llm.step()
     assert any(len(s) == 1 and len(next(iter(s))) == 2 for s in seen)   # mixed batches ran
     assert all(len(s) <= 1 for s in seen), [s for s in seen if len(s) > 1]
+
+
+def test_costs_at_a_context_add_what_each_rows_context_tokens_cost():
+    """StepCosts timed at a context of 128 with what a row's context token adds below it and
+    above it (per q for the target, per draft): at(ctx) shifts each shape by rows * (ctx -
+    128) * the side's slope, to CONTEXT_STEP tokens, and never below half the time timed;
+    costs without the slopes are their own at any context; smooth() puts the target's slopes
+    on lines in q."""
+    from batchspec.spec.policy import CONTEXT_STEP
+    base = StepCosts([1, 4], target={1: [1.0, 2.0], 3: [1.5, 4.0], 5: [2.0, 6.0]},
+                     draft={"d": [0.1, 0.2]})
+    assert base.at(1000) is base
+    costs = StepCosts([1, 4], target={1: [1.0, 2.0], 3: [1.5, 4.0], 5: [2.0, 6.0]},
+                      draft={"d": [0.1, 0.2]}, context=128,
+                      target_ctx={1: (1e-4, 2e-4), 3: (2.5e-4, 4e-4), 5: (3e-4, 6e-4)},
+                      draft_ctx={"d": (1e-5, 1e-4)})
+    costs.smooth()
+    assert {q: s[0] for q, s in costs.target_ctx.items()} == pytest.approx(
+        {q: 6.5e-4 / 3 + 5e-5 * (q - 3) for q in range(1, 6)})
+    assert {q: s[1] for q, s in costs.target_ctx.items()} == pytest.approx(
+        {q: 4e-4 + 1e-4 * (q - 3) for q in range(1, 6)})
+    assert costs.at(128).target_s(4, 5) == pytest.approx(costs.target_s(4, 5))
+    longer = costs.at(128 + 10 * CONTEXT_STEP + 3)        # (to CONTEXT_STEP tokens)
+    assert longer is costs.at(128 + 10 * CONTEXT_STEP - 3)
+    assert longer.target_s(4, 5) == pytest.approx(
+        costs.target_s(4, 5) + 4 * 10 * CONTEXT_STEP * costs.target_ctx[5][1])
+    assert longer.draft_s("d", 4) == pytest.approx(0.2 + 4 * 10 * CONTEXT_STEP * 1e-4)
+    shorter = costs.at(128 - 4 * CONTEXT_STEP)
+    assert shorter.target_s(4, 5) == pytest.approx(
+        costs.target_s(4, 5) - 4 * 4 * CONTEXT_STEP * costs.target_ctx[5][0])
+    assert shorter.draft_s("d", 4) == pytest.approx(0.2 - 4 * 4 * CONTEXT_STEP * 1e-5)
+    # a verified token costs more at a longer context, where its window's attention reads more
+    assert longer.verified_token_s(4) > costs.verified_token_s(4) > shorter.verified_token_s(4)
+    assert costs.at(0).target_s(1, 1) == pytest.approx(max(
+        costs.target_s(1, 1) - 128 * costs.target_ctx[1][0], 0.5 * costs.target_s(1, 1)))
+
+
+def test_plans_and_predictions_price_a_step_at_its_rows_context():
+    """Where a window's tokens read their row's context, rows with long contexts buy fewer
+    slots than the same rows with short ones; a plain step is predicted at its rows'
+    context too (what plain's measured slowdown is measured against)."""
+    target = {q: [c * (1 + 0.1 * (q - 1)) for c in (0.002, 0.004, 0.03)] for q in range(1, 6)}
+    slopes = {q: (2e-7 * q, 2e-7 * q) for q in range(1, 6)}
+    counts = {}
+    for ctx in (32, 2000):
+        policy = make_policy(target, {"d": [1e-4, 1e-4, 1e-4]})
+        policy.costs.context, policy.costs.target_ctx = 128, dict(slopes)
+        seqs = rows_with(policy, 4, "d", 0.7)
+        for seq in seqs:
+            seq.token_ids = [1] * ctx
+        counts[ctx] = sum(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0))
+        policy._winner, policy._since, policy._try_left, policy._fresh = False, 0, 0, False
+        assert policy.plain_step(seqs, 4)
+        assert policy._chosen[2] == pytest.approx(policy.costs.at(ctx).target_tokens_s(4, 4))
+    assert counts[2000] < counts[32]

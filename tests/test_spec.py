@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from batchspec import LLM, SamplingParams
+from batchspec.engine.engine import STEP_COST_CONTEXT
 from batchspec.spec.verify_torch import target_probs
 
 PROMPTS = ["def foo(x):\n    return x", "import os\nimport sys\nimport os", "a b a b a b a",
@@ -410,6 +411,12 @@ def test_adaptive_k_is_exact_and_measures_costs(tiny_llama, tiny_draft, plain):
         runner = llm.engine.proposers["default"].runner if name == "random" else None
         assert set(costs.draft_sample_s) == \
             ({"default"} if runner is not None and runner.steps_in_one_call else set())
+        # what a row's context token adds below the grid's context and above it: timed at
+        # an eighth of it and four times it, lines in q for the target
+        assert costs.context == STEP_COST_CONTEXT
+        assert set(costs.target_ctx) == set(costs.target) and \
+            min(min(s) for s in costs.target_ctx.values()) >= 0.0
+        assert set(costs.draft_ctx) == set(costs.draft)
         outs[name] = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         for p, o in zip(plain, outs[name]):
             assert o.token_ids == p.token_ids

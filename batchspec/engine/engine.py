@@ -139,10 +139,12 @@ class Engine:
         token (a k-th of k steps where they run in one call, ModelRunner.draft_steps),
         B = 1, 2, 4, ... up to what one step can hold (at most max_batch; larger
         batches are extrapolated, and the online correction absorbs the error), at a context
-        of ctx_len tokens, and what a prompt of PROMPT_TIMED tokens adds beside the largest
-        batch: the fastest of `repeats` rounds (two at the least) in which every shape is
-        timed once, the first of them, cold, serving as the warm-up; then smoothed
-        (StepCosts.smooth). The KV written lands in free blocks and is never read."""
+        of ctx_len tokens (the largest batch also at an eighth of it and, where its KV fits,
+        four times it: what a row's context token adds, StepCosts.at), and what a prompt of
+        PROMPT_TIMED tokens adds beside the largest batch: the fastest of `repeats` rounds
+        (two at the least) in which every shape is timed once, the first of them, cold,
+        serving as the warm-up; then smoothed (StepCosts.smooth). The KV written lands in
+        free blocks and is never read."""
         c = self.config
         k = c.num_speculative_tokens
         ctx = max(1, min(ctx_len, self.max_model_len - k - 1))
@@ -156,10 +158,10 @@ class Engine:
 
         tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(max_b)]
 
-        def timed(runner, b, q, draft=False):
-            """(a forward of runner over b rows of q tokens, the steps it counts for, the
-            device to synchronise)."""
-            args = ([[0] * q] * b, [ctx] * b, tables[:b], [q] * b)
+        def timed(runner, b, q, draft=False, context=ctx, blocks=tables):
+            """(a forward of runner over b rows of q tokens after `context` tokens each (their
+            KV in `blocks`), the steps it counts for, the device to synchronise)."""
+            args = ([[0] * q] * b, [context] * b, blocks[:b], [q] * b)
             # a draft whose steps run in one C++ call: a step is a k-th of k steps' call
             if draft and runner.steps_in_one_call:
                 return (lambda: runner.draft_steps(*args[:3], [k] * b)), k, runner.device
@@ -172,11 +174,33 @@ class Engine:
         # and 2.6 s without a round of warm-up before them (costs within 1-2% of those with)
         timed_qs = sorted({1, (k + 2) // 2, k + 1})
         runs = {("target", q, b): timed(self.target, b, q) for q in timed_qs for b in grid}
+        # the largest batch again at a short context and a long one (where its KV fits):
+        # what a row's context token adds to each shape below the context and above it
+        # (attention reads it; it grows faster at long contexts), so that plans price a step
+        # at its rows' context (StepCosts.at)
+        short, long = ctx // 8, 4 * ctx
+        long_rows = -(-(long + k + 1) // c.block_size)
+        if long + k + 1 > self.max_model_len or \
+                max_b * long_rows > self.block_manager.num_blocks:
+            long = 0
+        tables_long = [list(range(i * long_rows, (i + 1) * long_rows))
+                       for i in range(max_b)] if long else tables
+        others = [n for n in (short, long) if n]
+        ctx_qs = sorted({1, k + 1})      # (a line in q through them: smooth())
+        for n in others:
+            runs.update({("target", q, max_b, n): timed(self.target, max_b, q, context=n,
+                                                        blocks=tables_long if n == long
+                                                        else tables)
+                         for q in ctx_qs})
         # a draft model's runner (its whole or cut output layer) -> the proposers it serves
         served: dict[int, list[str]] = {}
         for name, runner in runners.items():
             if id(runner) not in served:
                 runs.update({(id(runner), b): timed(runner, b, 1, draft=True) for b in grid})
+                for n in others:
+                    runs[id(runner), max_b, n] = timed(
+                        runner, max_b, 1, draft=True, context=n,
+                        blocks=tables_long if n == long else tables)
             served.setdefault(id(runner), []).append(name)
         # the largest batch of one-token rows and, beside it, a prompt of its last logit only
         # (its table is the first row's: the KV it writes is never read)
@@ -206,6 +230,23 @@ class Engine:
         for key, names in served.items():
             for name in names:
                 costs.draft[name] = [best[key, b] for b in grid]
+        if others:
+            costs.context = ctx
+
+            def slopes(at_ctx: float, key: tuple) -> tuple[float, float]:
+                """Seconds a row's context token adds below ctx and above (one side timed:
+                both alike)."""
+                side = [max(0.0, at_ctx - best[key + (short,)]) / (max_b * (ctx - short))
+                        if short else None,
+                        max(0.0, best[key + (long,)] - at_ctx) / (max_b * (long - ctx))
+                        if long else None]
+                return (side[0] if side[0] is not None else side[1],
+                        side[1] if side[1] is not None else side[0])
+            costs.target_ctx = {q: slopes(best["target", q, max_b], ("target", q, max_b))
+                                for q in ctx_qs}
+            for key, names in served.items():
+                for name in names:
+                    costs.draft_ctx[name] = slopes(best[key, max_b], (key, max_b))
         costs.prompt_token_s = max(0.0, best["prompt"] - best["target", 1, max_b]) / prompt
         slots = max_b * k
         costs.verify_token_s = max(0.0, best["verify", 1.0] - best["verify", 0.0]) / slots
@@ -215,10 +256,13 @@ class Engine:
                     costs.draft_sample_s[name] = max(
                         0.0, best["draw", key] - k * best[key, max_b]) / slots
         costs.smooth()
-        log.info("step costs (ms) at B=%s: target %s; drafts %s; a prompt token %.4f; a "
-                 "drafted token at T > 0: verification %.4f, drafts' draws %s", grid,
+        log.info("step costs (ms) at B=%s and a context of %d: target %s; drafts %s; a row's "
+                 "context token (us) %s, drafts' %s; a prompt token %.4f; a "
+                 "drafted token at T > 0: verification %.4f, drafts' draws %s", grid, ctx,
                  {q: [round(1e3 * t, 2) for t in v] for q, v in costs.target.items()},
                  {n: [round(1e3 * t, 2) for t in v] for n, v in costs.draft.items()},
+                 {q: [round(1e6 * t, 4) for t in s] for q, s in costs.target_ctx.items()},
+                 {n: [round(1e6 * t, 4) for t in s] for n, s in costs.draft_ctx.items()},
                  1e3 * costs.prompt_token_s, 1e3 * costs.verify_token_s,
                  {n: round(1e3 * t, 4) for n, t in costs.draft_sample_s.items()})
         return costs

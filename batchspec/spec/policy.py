@@ -80,20 +80,31 @@ DRAFT_TIMED_MIN, DRAFT_WEIGHT = 3, 0.1
 # class's acceptance, per source and temperature, is shrunk towards the slot's depth
 # estimate with the weight of CLASS_PRIOR_ROUNDS rounds.
 CLASS_PRIOR_ROUNDS = 10
+# Plans and predictions price a step at its rows' mean context to this many tokens
+# (StepCosts.at), and a StepCosts keeps the costs of at most MAX_CONTEXTS contexts.
+CONTEXT_STEP, MAX_CONTEXTS = 16, 256
 
 
 @dataclass
 class StepCosts:
     """Measured seconds of one target forward over B rows of q tokens each (q = 1..k+1), and
-    of one forward of each draft over B rows of one token, at a grid of batch sizes;
-    linear in B between grid points (and beyond the last, from the last two); and what a
-    prompt token adds to a target forward (a row of PROMPT_TIMED prompt tokens beside the
-    largest batch timed, against that batch alone; a prompt row needs its last position's
-    logits only)."""
+    of one forward of each draft over B rows of one token, at a grid of batch sizes and a
+    context of `context` tokens a row; linear in B between grid points (and beyond the last,
+    from the last two); what a row's context token adds to each, below the context timed and
+    above it (target_ctx, draft_ctx: at(ctx) gives the costs at another context); and what
+    a prompt token adds to a target
+    forward (a row of PROMPT_TIMED prompt tokens beside the largest batch timed, against
+    that batch alone; a prompt row needs its last position's logits only)."""
     batch_sizes: list[int]
     target: dict[int, list[float]] = field(default_factory=dict)   # q -> seconds per B
     draft: dict[str, list[float]] = field(default_factory=dict)    # draft -> seconds per B
     prompt_token_s: float = 0.0
+    # the context the shapes were timed at, and the seconds a row's context token adds to a
+    # forward (attention reads it), below that context and above it: the target's per q,
+    # each draft's
+    context: int = 0
+    target_ctx: dict[int, tuple[float, float]] = field(default_factory=dict)
+    draft_ctx: dict[str, tuple[float, float]] = field(default_factory=dict)
     # what a drafted token adds at T > 0 beyond the greedy forwards: to verification (the
     # drafts' q gathered, the target's distribution at the slot, the ratio test), and to a
     # model draft's step (its draw from q, a softmax over the vocabulary kept for
@@ -104,6 +115,38 @@ class StepCosts:
     _per_q: dict = field(default_factory=dict, repr=False)
     _windows: dict = field(default_factory=dict, repr=False)
     _marginal: dict = field(default_factory=dict, repr=False)
+    _contexts: dict = field(default_factory=dict, repr=False)
+
+    def at(self, ctx: float) -> StepCosts:
+        """These costs at a mean context of ctx tokens a row (to CONTEXT_STEP tokens): each
+        shape's time plus, per row, what its context tokens beyond (or short of) the timed
+        context add (or take off), at least half the time timed. Attention grows with the
+        context, a window's q tokens' most: on the demo at 64 rows a 5-token window took
+        34.4 ms at a context of 512 where the costs timed at 128 said 24.1, and 22.1 ms at
+        64 against 26.1 at 128. Without the slopes (costs timed at one context), the costs
+        themselves."""
+        if not (self.target_ctx or self.draft_ctx):
+            return self
+        c = int(ctx + CONTEXT_STEP / 2) // CONTEXT_STEP * CONTEXT_STEP
+        view = self._contexts.get(c)
+        if view is None:
+            if len(self._contexts) >= MAX_CONTEXTS:
+                self._contexts.clear()
+            d = c - self.context
+
+            def shifted(values: list[float], slopes: tuple[float, float]) -> list[float]:
+                per_token = slopes[d > 0]
+                return [max(t + b * d * per_token, 0.5 * t)
+                        for t, b in zip(values, self.batch_sizes)]
+            view = self._contexts[c] = StepCosts(
+                self.batch_sizes,
+                target={q: shifted(v, self.target_ctx.get(q, (0.0, 0.0)))
+                        for q, v in self.target.items()},
+                draft={n: shifted(v, self.draft_ctx.get(n, (0.0, 0.0)))
+                       for n, v in self.draft.items()},
+                prompt_token_s=self.prompt_token_s, context=c,
+                verify_token_s=self.verify_token_s, draft_sample_s=self.draft_sample_s)
+        return view
 
     def _at(self, values: list[float], b: int) -> float:
         xs = self.batch_sizes
@@ -134,6 +177,17 @@ class StepCosts:
                 for q in line:
                     line[q][i] = t_mean + slope * (q - q_mean)
             self.target = line
+            if len(self.target_ctx) > 1:   # what a context token adds: lines in q too
+                ks = sorted(self.target_ctx)
+                k_mean = sum(ks) / len(ks)
+                sides = []
+                for side in (0, 1):
+                    cs = [self.target_ctx[q][side] for q in ks]
+                    c_mean = sum(cs) / len(cs)
+                    slope = sum((q - k_mean) * (c - c_mean) for q, c in zip(ks, cs)) / \
+                        sum((q - k_mean) ** 2 for q in ks)
+                    sides.append({q: max(0.0, c_mean + slope * (q - k_mean)) for q in line})
+                self.target_ctx = {q: (sides[0][q], sides[1][q]) for q in line}
         for values in (*self.target.values(), *self.draft.values()):
             for i in range(1, len(values)):
                 values[i] = max(values[i], values[i - 1])
@@ -207,6 +261,12 @@ class StepCosts:
 
     def draft_s(self, name: str, b: int) -> float:
         return self._at(self.draft[name], b) if b > 0 and name in self.draft else 0.0
+
+
+def mean_context(seqs: list[Sequence]) -> float:
+    """The mean context of rows (tokens a row's attention reads), at which a step's costs
+    are priced (StepCosts.at)."""
+    return sum(map(len, seqs)) / len(seqs) if seqs else 0.0
 
 
 def temperature_bucket(seq: Sequence) -> float:
@@ -423,9 +483,9 @@ class SpecPolicy:
         towards its domain's and the source's pooled ones).
 
         With the measured costs (adaptive_k), each side is weighed at this step's batch size
-        (num_rows rows) on the row's share of it: a plain step's time per row, plus for
-        each draft the model's per-row forward and, for either source, what a verified
-        token adds to the target's (the best number of drafts up to what each may draft).
+        (num_rows rows) and the row's context on the row's share of it: a plain step's time
+        per row, plus for each draft the model's per-row forward and, for either source, what
+        a verified token adds to the target's (the best number of drafts up to what each may draft).
         The model's row is scaled by what its calls have measured against their prediction
         (draft_scale). At 32 rows a window's tokens cost about half a decoded token each, and
         a model's k drafts cost more than a lookup's fewer, free ones: weighed on draft
@@ -441,6 +501,7 @@ class SpecPolicy:
         if costs is None:
             by_model = self.expected_tokens(seq, model, k) / (1.0 + k * cost_ratio)
             return self.expected_tokens(seq, lookup, found, classes) >= by_model
+        costs = costs.at(len(seq))
         b = max(num_rows, 1)
         row_s, token_s = costs.target_s(b, 1) / b, costs.verified_token_s(b)
         return self._best_rate(self.depth_probs(seq, lookup, found, classes), row_s,
@@ -474,13 +535,14 @@ class SpecPolicy:
         source being the drafts it has already found; classes: per row, the classes its
         source gave those drafts, or None; lookups, mix: as for plain_step. Rows that do not
         speculate count one token."""
-        costs = self.costs
         self._chosen = None
-        if costs is None:
+        if self.costs is None:
             return [n for _, _, n, _ in rows]
         num_rows = len(rows) + num_plain_rows
-        if self.plain_step([seq for seq, _, _, _ in rows], num_rows, lookups, mix):
+        seqs = [seq for seq, _, _, _ in rows]
+        if self.plain_step(seqs, num_rows, lookups, mix):
             return [0] * len(rows)
+        costs = self.costs.at(mean_context(seqs))
         plain_s = max(costs.target_tokens_s(num_rows, num_rows), 1e-12)
         plain_rate = num_rows / plain_s
         if not any(n for _, _, n, _ in rows):
@@ -499,7 +561,7 @@ class SpecPolicy:
         probs = [self.depth_probs(seq, source, n, classes[i] if classes is not None else None)
                  for i, (seq, source, n, _) in enumerate(rows)]
         extra_s = self._overhead_s()
-        full = self._plan(rows, probs, set(), num_rows, extra_s)
+        full = self._plan(rows, probs, set(), num_rows, extra_s, costs)
         spec_n = full[0]
         spec_c, plain_c = self._corrected_rate(full), plain_rate / self._slowdown(False)
         # speculation takes the lead from plain only when ahead by SWITCH_MARGIN: sides
@@ -556,7 +618,7 @@ class SpecPolicy:
         # keep up.
         skip = self._behind(rows, num_rows) \
             if self._winner is False and speculate and self._tried_in_full else set()
-        plan = self._plan(rows, probs, skip, num_rows, extra_s) if skip else full
+        plan = self._plan(rows, probs, skip, num_rows, extra_s, costs) if skip else full
         spec_n, _, spec_tokens, spec_s, order, row, depth = plan
         n = spec_n if speculate else 0
         lengths = [0] * len(rows)
@@ -572,20 +634,22 @@ class SpecPolicy:
         self._speculated = speculate
         self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
             else (False, num_rows, plain_s, tried)
-        self._draft_pred = self._levels_s(rows, lengths) if speculate and not warm_up else {}
+        self._draft_pred = self._levels_s(rows, lengths, costs) \
+            if speculate and not warm_up else {}
         return lengths
 
     def _levels_s(self, rows: list[tuple[Sequence, str, int, bool]],
-                  lengths: list[int]) -> dict[str, float]:
-        """Each model draft's predicted seconds for these lengths by the start-up costs: a
-        forward per depth over the rows drafting that deep."""
+                  lengths: list[int], costs: StepCosts | None = None) -> dict[str, float]:
+        """Each model draft's predicted seconds for these lengths by the start-up costs (at
+        the step's context: costs): a forward per depth over the rows drafting that deep."""
+        costs = costs or self.costs
         by_source: dict[str, list[int]] = {}
         for (_, src, _, is_model), n in zip(rows, lengths):
             if is_model and n:
                 by_source.setdefault(src, []).append(n)
         pred: dict[str, float] = {}
         for src, ns in by_source.items():
-            table = self.costs.draft_list(src, len(rows))
+            table = costs.draft_list(src, len(rows))
             ns.sort(reverse=True)
             total, c = 0.0, len(ns)
             for d in range(ns[0]):          # rows drafting at depth d: those longer than d
@@ -682,12 +746,13 @@ class SpecPolicy:
                 return False
         self._since += 1
         self._speculated, self._trying = False, tried
-        self._chosen = (False, num_rows, max(self.costs.target_tokens_s(num_rows, num_rows),
-                                             1e-12), tried)
+        self._chosen = (False, num_rows, max(self.costs.at(mean_context(seqs)).target_tokens_s(
+            num_rows, num_rows), 1e-12), tried)
         return True
 
     def _plan(self, rows: list[tuple[Sequence, str, int, bool]], probs: list[list[float]],
-              skip: set[int], num_rows: int, extra_s: float = 0.0):
+              skip: set[int], num_rows: int, extra_s: float = 0.0,
+              costs: StepCosts | None = None):
         """The best speculating plan over rows not in skip, given each row's depth_probs:
         (slots admitted, its expected tokens per second, tokens, seconds, slot order, each
         slot's row, each slot's depth); 0 slots when no row may draft. The plan is the one
@@ -698,7 +763,7 @@ class SpecPolicy:
         Plain Python floats throughout: this runs at every step that weighs plans, and with
         numpy (arrays past 16 slots, its scalars below) it took 0.14 ms of a 5 ms step at 8
         rows, T = 0 (the policy's share is benchmarks/step_phases.py's "propose, rest")."""
-        costs = self.costs
+        costs = costs or self.costs
         survive, depth, row = [], [], []
         for i, row_probs in enumerate(probs):
             if i in skip:
