@@ -92,9 +92,9 @@ class StepCosts:
     context of `context` tokens a row; linear in B between grid points (and beyond the last,
     from the last two); what a row's context token adds to each, below the context timed and
     above it (target_ctx, draft_ctx: at(ctx) gives the costs at another context); and what
-    a prompt token adds to a target
-    forward (a row of PROMPT_TIMED prompt tokens beside the largest batch timed, against
-    that batch alone; a prompt row needs its last position's logits only)."""
+    a prompt token adds to a target forward (a row of PROMPT_TIMED prompt tokens beside the
+    largest batch timed, against that batch alone; a prompt row needs its last position's
+    logits only)."""
     batch_sizes: list[int]
     target: dict[int, list[float]] = field(default_factory=dict)   # q -> seconds per B
     draft: dict[str, list[float]] = field(default_factory=dict)    # draft -> seconds per B
