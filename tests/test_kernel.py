@@ -354,3 +354,18 @@ def test_int8_head_is_its_integer_reference(ops, portable, monkeypatch):
     packed, scale, sums = ops.pack_head_int8(w)
     y = ops.head_int8(x, packed, scale, sums, 64)
     assert torch.equal(y, head_int8_reference(x, packed, scale, 64))
+
+
+def test_each_place_of_the_sources_has_its_own_build(tmp_path, monkeypatch):
+    """The build files name the sources by path: two installs of one revision at different
+    places (the same sources' hash) get build directories of their own, where a shared one
+    was rebuilt by each in turn; one place keeps one."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(_build.kernel_dir(), copy)
+    here, sources = _build.build_dir("cpu", ["-O3"]), _build.sources_hash()
+    assert _build.build_dir("cpu", ["-O3"]) == here
+    assert _build.build_dir("cpu", ["-O2"]) != here
+    monkeypatch.setattr(_build, "kernel_dir", lambda: copy)
+    assert _build.sources_hash() == sources     # the same sources, elsewhere
+    there = _build.build_dir("cpu", ["-O3"])
+    assert there != here and there.parent == here.parent

@@ -10,8 +10,8 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
         cpu_module())
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
-directory per torch version and hash of the kernel sources and compiler flags, so checkouts
-with different sources never rebuild each other's builds. A first build says so on stderr
+directory per torch version, hash of the kernel sources, compiler flags and place of the
+sources (build_dir), so checkouts never rebuild each other's builds. A first build says so on stderr
 (it takes ~15 s).
 `python -m batchspec.spec._build [--cuda]` builds ahead of time (e.g. in a Docker image).
 """
@@ -52,6 +52,18 @@ def sources_hash() -> str:
         if path.is_file():
             h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
+
+
+def build_dir(flavour: str, cflags: list[str]) -> Path:
+    """Where a flavour's build is cached: keyed by torch's version, the sources, the flags
+    (a build made with other flags is another build) and the sources' directory. The build
+    files name the sources by path, so two installs of one revision at different places (two
+    virtualenvs, two checkouts) that shared a directory rebuilt it in turn, about a minute at
+    each process's start."""
+    flags = hashlib.sha256(" ".join(cflags).encode()).hexdigest()[:6]
+    place = hashlib.sha256(str(kernel_dir()).encode()).hexdigest()[:6]
+    return cache_dir() / re.sub(r"[^\w.]+", "_", f"torch{torch.__version__}-{flavour}-"
+                                               f"{sources_hash()}-{flags}-{place}")
 
 
 def load(cuda: bool = False):
@@ -103,10 +115,7 @@ def _compile(cuda: bool) -> None:
     # (libgomp.so.1).
     cflags = ["-O3", "-fno-trapping-math", f"-DBS_NS={NAMESPACE[cuda]}"] + \
         (["-DBS_WITH_CUDA"] if cuda else ["-fopenmp"])
-    # keyed by the sources and the flags: a build made with other flags is another build
-    flags = hashlib.sha256(" ".join(cflags).encode()).hexdigest()[:6]
-    build = cache_dir() / re.sub(r"[^\w.]+", "_",
-                                 f"torch{torch.__version__}-{flavour}-{sources_hash()}-{flags}")
+    build = build_dir(flavour, cflags)
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print(f"batchspec: building the {flavour.upper()} verification kernel (first run, "
