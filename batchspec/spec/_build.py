@@ -11,8 +11,8 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
 directory per torch version, hash of the kernel sources, compiler flags and place of the
-sources (build_dir), so checkouts never rebuild each other's builds. A first build says so on stderr
-(it takes ~15 s).
+sources (build_dir), so checkouts never rebuild each other's builds. A first build says so on
+stderr (it takes ~15 s).
 `python -m batchspec.spec._build [--cuda]` builds ahead of time (e.g. in a Docker image).
 """
 from __future__ import annotations
