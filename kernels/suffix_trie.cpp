@@ -392,6 +392,8 @@ struct RequestText {
 
 }  // namespace
 
+void register_policy_core(pybind11::module& m);   // policy_core.cpp
+
 // A Python class (pybind11), not a torch custom class: a step calls it once per row, and a
 // torch.classes method call costs several microseconds of boxing, more than the walk.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -417,4 +419,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("max_match"), py::arg("max_len"), py::arg("match_factor"),
            py::arg("min_prob"), py::arg("domain").none(true))
       .def("__len__", &RequestText::size);
+  register_policy_core(m);
 }

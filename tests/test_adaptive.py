@@ -895,12 +895,12 @@ def test_plans_admit_slots_by_survival_per_cost():
     lookup = rows_with(policy, 4, "look", 0.8)
     rows = [(s, "d", 4, True) for s in model] + [(s, "look", 4, False) for s in lookup]
     probs = [policy.depth_probs(s, src, n) for s, src, n, _ in rows]
-    _, _, _, _, order, row, depth = policy._plan(rows, probs, set(), 8)
+    order, row, depth = policy._plan(rows, probs, set(), 8)[4:7]
     slots = [(rows[row[j]][1], depth[j]) for j in order]
     assert slots[:4] == [("look", 0)] * 4       # by survival alone: ("d", 0) first
     assert slots.index(("d", 0)) > slots.index(("look", 1))
     model_only = rows[:4]
-    _, _, _, _, order, row, depth = policy._plan(model_only, probs[:4], set(), 4)
+    order, row, depth = policy._plan(model_only, probs[:4], set(), 4)[4:7]
     assert [depth[j] for j in order] == sorted(depth[j] for j in order)
 
 
@@ -955,7 +955,7 @@ def test_a_row_sampled_pays_what_sampling_adds_to_each_of_its_slots():
     assert priced[3] - free[3] == pytest.approx(4 * 3e-4)    # the hot row's four slots
     costs.draft_sample_s["d"] = 0.01
     dear = policy._plan(rows, probs, set(), 2)
-    _, _, _, _, order, row, _ = dear
+    order, row = dear[4:6]
     assert dear[0] == 4 and {row[j] for j in order[:dear[0]]} == {0}
 
 
@@ -975,9 +975,10 @@ def test_a_routed_rows_unused_lookup_drafts_are_judged_against_what_it_commits(
                                     draft={"default": [1e-4, 1e-4]})
     seq = Sequence(0, "0", [1, 2], SamplingParams(temperature=0.0), seed=0)
     key, _ = engine.policy._pool_keys(seq, lookup)
-    engine._judge_unused(seq, lookup, Proposal([5, 6, 7], None), [5, 6, 9])
+    record = engine.policy.record_rounds
+    record([engine._judge_unused(seq, lookup, Proposal([5, 6, 7], None), [5, 6, 9])])
     assert engine.policy.pooled[key] == ([1, 1, 0], [1, 1, 1])
-    engine._judge_unused(seq, lookup, Proposal([5, 6, 7], None), [5])
+    record([engine._judge_unused(seq, lookup, Proposal([5, 6, 7], None), [5])])
     assert engine.policy.pooled[key] == ([2, 1, 0], [2, 1, 1])
     engine.policy.pooled.clear()
     outs = llm.generate(["def f(x): return x + x + x + x"] * 4,
@@ -1143,8 +1144,8 @@ def test_plans_are_the_best_prefix_of_the_slot_order(most_rows):
         skip = {i for i in range(num) if rng.random() < 0.2}
         num_rows = num + rng.randint(0, 3)
         extra_s = rng.choice([0.0, 1e-3])
-        n, rate, tokens, seconds, order, row, depth = policy._plan(rows, probs, skip, num_rows,
-                                                                   extra_s)
+        n, rate, tokens, seconds, order, row, depth, _ = policy._plan(
+            rows, probs, skip, num_rows, extra_s)
         survive = {}
         for i, row_probs in enumerate(probs):
             if i not in skip:

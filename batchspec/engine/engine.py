@@ -570,8 +570,10 @@ class Engine:
         """Append each sampling row's accepted drafts and next token (b-th sampling row: row
         b of out_ids), roll back the KV of rejected drafts, record the round, check stops."""
         finished, num_tokens, b = [], 0, 0
-        # the policy's acceptance estimates serve adaptive lengths and routing only
+        # the policy's acceptance estimates serve adaptive lengths and routing only; the
+        # step's rounds are counted in them at once (SpecPolicy.record_rounds)
         estimates = self.policy.costs is not None or bool(self.routes)
+        rounds: list[tuple] = []
         for s in scheduled:
             seq = s.seq
             if not s.is_sampling:
@@ -584,11 +586,11 @@ class Engine:
                 seq.record_round(s.num_drafts, m, self.source_label.get(s.source))
                 if estimates:     # (a round that drafted nothing counts nowhere)
                     if s.num_drafts:
-                        self.policy.record(seq, s.source, s.num_drafts, m,
-                                           s.proposal.classes if s.proposal is not None
-                                           else None)
+                        rounds.append((seq, s.source, s.num_drafts, m,
+                                       s.proposal.classes if s.proposal is not None
+                                       else None))
                     if s.unused is not None:
-                        self._judge_unused(seq, *s.unused, new)
+                        rounds.append(self._judge_unused(seq, *s.unused, new))
                 if s.proposal is not None and s.proposal.stopped_by_confidence:
                     seq.spec.skipped_by_confidence += 1
                 if s.num_drafts:   # (a round that drafted nothing leaves its window as is)
@@ -599,16 +601,19 @@ class Engine:
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
+        if rounds:
+            self.policy.record_rounds(rounds)
         return finished, num_tokens
 
-    def _judge_unused(self, seq: Sequence, lookup: str, proposal: Proposal,
-                      new: list[int]) -> None:
-        """Count the lookup drafts a routed row did not take in the lookup's estimates, as if
-        verified: each draft, after drafts that matched, is judged accepted when it is the
-        token the row committed there. A lookup's draft is one token (q one-hot), accepted
-        with the target's probability of it, and the committed token is a draw of the
-        target's distribution (exact sampling, over the model's own draws): the same chance,
-        at any temperature. Drafts past the committed tokens are not judged. Without this,
+    @staticmethod
+    def _judge_unused(seq: Sequence, lookup: str, proposal: Proposal,
+                      new: list[int]) -> tuple:
+        """The round to count in the lookup's estimates (SpecPolicy.record_rounds) for the
+        lookup drafts a routed row did not take, as if verified: each draft, after drafts
+        that matched, is judged accepted when it is the token the row committed there. A
+        lookup's draft is one token (q one-hot), accepted with the target's probability of
+        it, and the committed token is a draw of the target's distribution (exact sampling,
+        over the model's own draws): the same chance, at any temperature. Drafts past the committed tokens are not judged. Without this,
         routing learned a source's acceptance only from rounds that took it: a code job's
         first eight suffix rounds (all rejected, one-token matches) priced every later
         suffix draft at 0.19, the lookup was never taken again, and routed rows at 8 rows
@@ -617,7 +622,7 @@ class Engine:
         matched = 0
         while matched < len(drafts) and drafts[matched] == new[matched]:
             matched += 1
-        self.policy.record(seq, lookup, len(drafts), matched, proposal.classes)
+        return seq, lookup, len(drafts), matched, proposal.classes
 
     def _check_stop(self, seq: Sequence, new: list[int]) -> tuple[list[int], str | None]:
         """Cut `new` at the first stop condition; returns (tokens to append, reason)."""

@@ -7,7 +7,7 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
         or AVX512-BF16 (kernels/linear_cpu.cpp), a draft's output layer in int8
         (kernels/head_int8_cpu.cpp) and the suffix trie of suffix drafts
         (kernels/suffix_trie.cpp; a pybind11 class, so this flavour is also a Python module:
-        cpu_module())
+        cpu_module()) and the adaptive policy's per-row arithmetic (kernels/policy_core.cpp)
   cuda  registers torch.ops.batchspec_cuda.*  (adds kernels/verify_kernel.cu; CUDA torch + nvcc)
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
 directory per torch version, hash of the kernel sources, compiler flags and place of the
@@ -105,7 +105,8 @@ def _compile(cuda: bool) -> None:
                                                 str(src / "linear_cpu.cpp"),
                                                 str(src / "head_int8_cpu.cpp"),
                                                 str(src / "draft_steps_cpu.cpp"),
-                                                str(src / "suffix_trie.cpp")])
+                                                str(src / "suffix_trie.cpp"),
+                                                str(src / "policy_core.cpp")])
     # -fno-trapping-math: no FP exception is ever observed, so loops with a clamp or a
     # select (the portable attention path's exp, the host draw's filter) vectorise; it
     # changes no result

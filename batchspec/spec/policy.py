@@ -6,13 +6,18 @@ hotter than max_spec_temperature)."""
 from __future__ import annotations
 
 import bisect
+import functools
+import logging
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from batchspec.config import EngineConfig
 from batchspec.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 # Prior on a source's per-depth acceptance probability before its first rounds (p = 0.6
 # worth 10 rounds), and the weights (in rounds) of the source's pooled estimate in its
@@ -263,6 +268,25 @@ class StepCosts:
         return self._at(self.draft[name], b) if b > 0 and name in self.draft else 0.0
 
 
+@functools.cache
+def _native_core():
+    """kernels/policy_core.cpp's functions (in the CPU kernels' module), or None where the
+    kernels do not build (looked up once)."""
+    try:
+        from batchspec.spec._build import cpu_module
+        return cpu_module()
+    except Exception as e:  # noqa: BLE001 - no compiler: the Python arithmetic
+        log.warning("C++ policy arithmetic unavailable (%s); using the Python one", e)
+        return None
+
+
+def native_core():
+    """The C++ arithmetic of the policy's per-row work (depth_probs over a step's rows, the
+    plan, counting rounds), unless BATCHSPEC_POLICY_NATIVE=0 asks for the Python one, the
+    reference it is tested against."""
+    return _native_core() if os.environ.get("BATCHSPEC_POLICY_NATIVE", "1") != "0" else None
+
+
 def mean_context(seqs: list[Sequence]) -> float:
     """The mean context of rows (tokens a row's attention reads), at which a step's costs
     are priced (StepCosts.at)."""
@@ -337,6 +361,8 @@ class SpecPolicy:
         self._draft_pred: dict[str, float] = {}
         # this step's drafts' catch-up beyond a level, in all and per draft (observe_catch_up)
         self._catch_up_s, self._catch_up = 0.0, {}
+        # the C++ arithmetic of rows' estimates, plans and counting, or None (Python)
+        self.native = native_core()
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
@@ -384,11 +410,7 @@ class SpecPolicy:
             own_judged[d] *= REQUEST_DECAY
         src, dom = self._pool_keys(seq, source)
         if classes is not None:
-            counts = self.by_class.setdefault(src, {})
-            for d in range(min(num_drafted, num_accepted + 1, len(classes))):
-                c = counts.setdefault(classes[d], [0, 0])
-                c[0] += d < num_accepted
-                c[1] += 1
+            self._count_classes(src, classes, num_drafted, num_accepted)
         pools = [own, self.pooled.setdefault(src, ([], [])),
                  self.pooled.setdefault(dom, ([], []))]
         if MAX_POSITION_BAND:
@@ -401,6 +423,37 @@ class SpecPolicy:
             for d in range(min(num_drafted, num_accepted + 1)):
                 judged[d] += 1
                 acc[d] += d < num_accepted
+
+    def record_rounds(self, rounds: list[tuple[Sequence, str | None, int, int,
+                                                list[int] | None]]) -> None:
+        """record() for a step's rounds, each (seq, source, num_drafted, num_accepted,
+        classes), with the counting in C++ (self.native) where it builds: at 64 rows
+        record() took 0.23 ms of a 12 ms step."""
+        native = self.native
+        if native is None:
+            for r in rounds:
+                self.record(*r)
+            return
+        counted = []
+        for seq, source, num_drafted, num_accepted, classes in rounds:
+            if not num_drafted or source is None:
+                continue
+            src, dom = self._pool_keys(seq, source)
+            if classes is not None:
+                self._count_classes(src, classes, num_drafted, num_accepted)
+            counted.append((seq.spec.source_depth.setdefault(source, ([], [])), src, dom,
+                            position_band(seq.num_output_tokens) if MAX_POSITION_BAND else -1,
+                            num_drafted, num_accepted))
+        native.record_rows(self.pooled, counted, REQUEST_DECAY)
+
+    def _count_classes(self, src: tuple, classes: list[int], num_drafted: int,
+                       num_accepted: int) -> None:
+        """Count a round's judged drafts in their classes (record)."""
+        counts = self.by_class.setdefault(src, {})
+        for d in range(min(num_drafted, num_accepted + 1, len(classes))):
+            c = counts.setdefault(classes[d], [0, 0])
+            c[0] += d < num_accepted
+            c[1] += 1
 
     @staticmethod
     def _pool_keys(seq: Sequence, source: str) -> tuple[tuple, tuple]:
@@ -429,15 +482,43 @@ class SpecPolicy:
         match is far likelier to hold than one after a single token). Estimates are capped
         at 0.98 (no slot is certain)."""
         out = self._depth_probs(seq, source, n)
-        if classes is None:
-            return out
+        if classes is not None:
+            self._class_probs(out, seq, source, classes)
+        return out
+
+    def rows_probs(self, rows: list[tuple[Sequence, str, int, bool]],
+                   classes: list[list[int] | None] | None = None) -> list[list[float]]:
+        """depth_probs of each row (seq, source, n, _), classes[i] row i's; over all rows
+        in one C++ call (self.native) where it builds."""
+        native = self.native
+        if native is None:
+            return [self.depth_probs(seq, source, n, classes[i] if classes is not None
+                                     else None)
+                    for i, (seq, source, n, _) in enumerate(rows)]
+        keyed = []
+        for seq, source, n, _ in rows:
+            src, dom = self._pool_keys(seq, source)
+            keyed.append((seq.spec.source_depth.get(source), src, dom,
+                          position_band(seq.num_output_tokens) if MAX_POSITION_BAND else -1,
+                          n))
+        probs = native.depth_probs_rows(self.pooled, keyed, (
+            PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, BAND_PRIOR_ROUNDS,
+            REQUEST_PRIOR_ROUNDS, MAX_P))
+        if classes is not None:
+            for (seq, source, _, _), row_probs, row_classes in zip(rows, probs, classes):
+                if row_classes is not None:
+                    self._class_probs(row_probs, seq, source, row_classes)
+        return probs
+
+    def _class_probs(self, out: list[float], seq: Sequence, source: str,
+                     classes: list[int]) -> None:
+        """A row's depth estimates (out, changed in place) for drafts its source classed."""
         src_key, _ = self._pool_keys(seq, source)
         counts = self.by_class.get(src_key, {})
-        for d in range(min(n, len(classes))):
+        for d in range(min(len(out), len(classes))):
             acc, judged = counts.get(classes[d], (0, 0))
             out[d] = min((acc + CLASS_PRIOR_ROUNDS * out[d]) / (judged + CLASS_PRIOR_ROUNDS),
                          MAX_P)
-        return out
 
     def _depth_probs(self, seq: Sequence, source: str, n: int) -> list[float]:
         src_key, dom_key = self._pool_keys(seq, source)
@@ -558,8 +639,7 @@ class SpecPolicy:
             self._trying = False
             self._chosen = (False, num_rows, plain_s, False)
             return [0] * len(rows)
-        probs = [self.depth_probs(seq, source, n, classes[i] if classes is not None else None)
-                 for i, (seq, source, n, _) in enumerate(rows)]
+        probs = self.rows_probs(rows, classes)
         extra_s = self._overhead_s()
         full = self._plan(rows, probs, set(), num_rows, extra_s, costs)
         spec_n = full[0]
@@ -619,11 +699,8 @@ class SpecPolicy:
         skip = self._behind(rows, num_rows) \
             if self._winner is False and speculate and self._tried_in_full else set()
         plan = self._plan(rows, probs, skip, num_rows, extra_s, costs) if skip else full
-        spec_n, _, spec_tokens, spec_s, order, row, depth = plan
-        n = spec_n if speculate else 0
-        lengths = [0] * len(rows)
-        for j in order[:n]:
-            lengths[row[j]] = max(lengths[row[j]], depth[j] + 1)
+        spec_tokens, spec_s = plan[2:4]
+        lengths = plan[7] if speculate else [0] * len(rows)
         # A speculating step right after plain ones also brings the drafts' caches up to
         # date on every token of the plain steps: a cost of switching, not of speculating,
         # so it is not measured (later steps are, a new row's prompt caught up included).
@@ -755,27 +832,19 @@ class SpecPolicy:
               costs: StepCosts | None = None):
         """The best speculating plan over rows not in skip, given each row's depth_probs:
         (slots admitted, its expected tokens per second, tokens, seconds, slot order, each
-        slot's row, each slot's depth); 0 slots when no row may draft. The plan is the one
-        with the most tokens per second once extra_s, what a step costs besides the
-        forwards (_overhead_s), is added to its seconds; the rate and seconds returned are
-        the forwards' alone, as predictions are measured against.
+        slot's row, each slot's depth, each row's draft length); 0 slots when no row may
+        draft. The plan is the one with the most tokens per second once extra_s, what a step
+        costs besides the forwards (_overhead_s), is added to its seconds; the rate and
+        seconds returned are the forwards' alone, as predictions are measured against.
 
-        Plain Python floats throughout: this runs at every step that weighs plans, and with
-        numpy (arrays past 16 slots, its scalars below) it took 0.14 ms of a 5 ms step at 8
-        rows, T = 0 (the policy's share is benchmarks/step_phases.py's "propose, rest")."""
+        The slots are ordered and admitted in C++ (self.native) where it builds, else by
+        _admit: plain Python floats there, since this runs at every step that weighs plans,
+        and with numpy (arrays past 16 slots, its scalars below) it took 0.14 ms of a 5 ms
+        step at 8 rows, T = 0 (the policy's share is benchmarks/step_phases.py's "propose,
+        rest"); in Python, 0.11 ms of a 6.3 ms step at 32 rows on a CPU with AMX tiles."""
         costs = costs or self.costs
-        survive, depth, row = [], [], []
-        for i, row_probs in enumerate(probs):
-            if i in skip:
-                continue
-            sp = 1.0
-            for d, p in enumerate(row_probs):
-                sp *= p
-                survive.append(sp)
-                depth.append(d)
-                row.append(i)
-        if not survive:
-            return 0, 0.0, 0.0, 0.0, [], row, depth
+        if not rows:
+            return 0, 0.0, 0.0, 0.0, [], [], [], []
         # a row sampled at T > 0 also pays, per slot, what sampling adds (verification's
         # share and, for a model draft, its draw: StepCosts.verify_token_s, draft_sample_s),
         # which the greedy forwards timed leave out: at 32 rows and T = 0.8 about a fifth
@@ -793,22 +862,13 @@ class SpecPolicy:
         # rows' model drafts at 32 rows came first, and the plans they made no longer beat
         # plain).
         sources = {(src, is_model) for _, src, _, is_model in rows}
-        if row[-1] == row[0]:     # one row: its slots in order of depth (survival falls)
-            order = list(range(len(survive)))
-        else:
-            if len(sources) > 1 or min(sampled) != max(sampled):
-                token_s = costs.verified_token_s(num_rows) + 1e-12
-                draft_row = {src: costs.draft_row_s(src, len(rows))   # (once per draft)
-                             for src, is_model in sources if is_model}
-                unit = [token_s + sampled[i] + (draft_row[src] if is_model else 0.0)
-                        for i, (_, src, _, is_model) in enumerate(rows)]
-                keyed = [(-sp / unit[i], d, i, j)
-                         for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
-            else:
-                keyed = [(-sp, d, i, j)
-                         for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
-            keyed.sort()     # (row, depth) pairs are unique: the slot's index never decides
-            order = [j for _, _, _, j in keyed]
+        unit = None
+        if len(sources) > 1 or min(sampled) != max(sampled):
+            token_s = costs.verified_token_s(num_rows) + 1e-12
+            draft_row = {src: costs.draft_row_s(src, len(rows))   # (once per draft)
+                         for src, is_model in sources if is_model}
+            unit = [token_s + sampled[i] + (draft_row[src] if is_model else 0.0)
+                    for i, (_, src, _, is_model) in enumerate(rows)]
         # each model draft's cost grows with the rows it runs at each depth: a slot at
         # depth d adds one row to its source's forward at d. What the draft's calls measure
         # beyond their forwards (draft_scale: 2.2-2.9x at 32 rows) is not priced per slot: it
@@ -820,8 +880,45 @@ class SpecPolicy:
         # (the ablation in docs/benchmarks.md, forty-sixth round).
         marginal = {src: costs.draft_marginal_list(src, len(rows))
                     for src, is_model in sources if is_model}
-        level: dict[tuple[str, int], int] = {}
         windows = costs.windows_s(num_rows)     # the target's time for n slots
+        if self.native is not None:
+            index = {src: m for m, src in enumerate(marginal)}
+            return self.native.plan(
+                probs, [i in skip for i in range(len(rows))] if skip else [False] * len(rows),
+                sampled, unit, [index[src] if is_model else -1 for _, src, _, is_model in rows],
+                list(marginal.values()), windows, num_rows, extra_s)
+        return self._admit(rows, probs, skip, num_rows, extra_s, sampled, unit, marginal,
+                           windows)
+
+    @staticmethod
+    def _admit(rows, probs, skip, num_rows, extra_s, sampled, unit, marginal, windows):
+        """_plan's slots ordered and admitted, in Python (kernels/policy_core.cpp's plan is
+        the same in C++)."""
+        survive, depth, row = [], [], []
+        for i, row_probs in enumerate(probs):
+            if i in skip:
+                continue
+            sp = 1.0
+            for d, p in enumerate(row_probs):
+                sp *= p
+                survive.append(sp)
+                depth.append(d)
+                row.append(i)
+        lengths = [0] * len(rows)
+        if not survive:
+            return 0, 0.0, 0.0, 0.0, [], row, depth, lengths
+        if row[-1] == row[0]:     # one row: its slots in order of depth (survival falls)
+            order = list(range(len(survive)))
+        else:
+            if unit is not None:
+                keyed = [(-sp / unit[i], d, i, j)
+                         for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
+            else:
+                keyed = [(-sp, d, i, j)
+                         for j, (sp, d, i) in enumerate(zip(survive, depth, row))]
+            keyed.sort()     # (row, depth) pairs are unique: the slot's index never decides
+            order = [j for _, _, _, j in keyed]
+        level: dict[tuple[str, int], int] = {}
         most = len(windows) - 1
         best_rate, best, kept, drafts = -1.0, 0, 0.0, 0.0
         best_tokens = best_s = 0.0
@@ -838,8 +935,10 @@ class SpecPolicy:
             rate = tokens / max(sec + extra_s, 1e-12)
             if rate > best_rate:
                 best_rate, best, best_tokens, best_s = rate, n, tokens, sec
+        for j in order[:best]:
+            lengths[row[j]] = max(lengths[row[j]], depth[j] + 1)
         return (best, best_tokens / max(best_s, 1e-12), best_tokens, best_s, order, row,
-                depth)
+                depth, lengths)
 
     def _use_mix(self, mix: tuple, num_rows: int = 1) -> None:
         """Switch the measurements and the lead to those of this mix of temperatures (each
