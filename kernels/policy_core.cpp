@@ -52,6 +52,15 @@ double number(PyObject* list, Py_ssize_t i) {
   return v;
 }
 
+// position_band: the band of output positions of a round after num_output tokens (0 for a
+// row's first 16, then one per doubling, up to most), or -1 where no band is kept (most 0)
+long position_band(long num_output, long most) {
+  if (most <= 0) return -1;
+  const long bits = num_output > 0 ? 64 - __builtin_clzll(static_cast<uint64_t>(num_output))
+                                   : 0;
+  return std::min(std::max(0L, bits - 4), most);
+}
+
 // key + (band,): the key of a domain's estimates at a band of output positions
 py::object band_key(PyObject* dom_key, long band) {
   py::tuple extra = py::make_tuple(band);
@@ -72,11 +81,11 @@ inline double shrink(
   return (number(c.acc, d) + prior * p) / (number(c.judged, d) + prior);
 }
 
-// Per row (own, src_key, dom_key, band, n): SpecPolicy._depth_probs. own: the row's
-// (accepted, judged) for its source or None; band: its band of output positions, or -1 when
-// no estimates are kept per band. priors: (PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS,
-// BAND_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS, MAX_P).
-py::list depth_probs_rows(py::dict pooled, py::list rows, py::tuple priors) {
+// Per row (own, src_key, dom_key, num_output_tokens, n): SpecPolicy._depth_probs. own: the
+// row's (accepted, judged) for its source or None; max_band: MAX_POSITION_BAND (0: no
+// estimates per band of output positions). priors: (PRIOR_P, PRIOR_ROUNDS,
+// DOMAIN_PRIOR_ROUNDS, BAND_PRIOR_ROUNDS, REQUEST_PRIOR_ROUNDS, MAX_P).
+py::list depth_probs_rows(py::dict pooled, py::list rows, py::tuple priors, long max_band) {
   const double prior_p = priors[0].cast<double>(), src_r = priors[1].cast<double>(),
                dom_r = priors[2].cast<double>(), band_r = priors[3].cast<double>(),
                own_r = priors[4].cast<double>(), max_p = priors[5].cast<double>();
@@ -85,12 +94,12 @@ py::list depth_probs_rows(py::dict pooled, py::list rows, py::tuple priors) {
   for (Py_ssize_t i = 0; i < num_rows; ++i) {
     PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
     if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 5)
-      throw py::type_error("a row is (own, src_key, dom_key, band, n)");
+      throw py::type_error("a row is (own, src_key, dom_key, num_output_tokens, n)");
     Counts own = counts_of(PyTuple_GET_ITEM(row, 0));
     PyObject* dom_key = PyTuple_GET_ITEM(row, 2);
     Counts src = pooled_counts(pooled.ptr(), PyTuple_GET_ITEM(row, 1));
     Counts dom = pooled_counts(pooled.ptr(), dom_key);
-    const long band = PyLong_AsLong(PyTuple_GET_ITEM(row, 3));
+    const long band = position_band(PyLong_AsLong(PyTuple_GET_ITEM(row, 3)), max_band);
     const long n = PyLong_AsLong(PyTuple_GET_ITEM(row, 4));
     if (PyErr_Occurred()) throw py::error_already_set();
     Counts at_band;
@@ -151,6 +160,7 @@ py::tuple plan(
     std::vector<double> key(num_slots);
     if (!unit_obj.is_none()) {
       auto unit = unit_obj.cast<std::vector<double>>();
+      if (unit.size() != n_rows) throw py::value_error("plan: one unit per row");
       for (size_t j = 0; j < num_slots; ++j) key[j] = -survive[j] / unit[row[j]];
     } else {
       for (size_t j = 0; j < num_slots; ++j) key[j] = -survive[j];
@@ -213,8 +223,14 @@ py::tuple plan(
 // only counted)
 void add_one(PyObject* list, Py_ssize_t i) {
   PyObject* x = PyList_GET_ITEM(list, i);
-  PyObject* y = PyLong_CheckExact(x) ? PyNumber_Add(x, py::int_(1).ptr())
-                                     : PyFloat_FromDouble(PyFloat_AsDouble(x) + 1.0);
+  PyObject* y;
+  if (PyLong_CheckExact(x)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    y = overflow ? PyNumber_Add(x, py::int_(1).ptr()) : PyLong_FromLongLong(v + 1);
+  } else {
+    y = PyFloat_FromDouble(PyFloat_AsDouble(x) + 1.0);
+  }
   if (y == nullptr || PyErr_Occurred()) throw py::error_already_set();
   PyList_SetItem(list, i, y);   // steals y, drops x
 }
@@ -249,15 +265,17 @@ void count(Counts c, long num_drafted, long num_accepted) {
   }
 }
 
-// Per round (own, src_key, dom_key, band, num_drafted, num_accepted): SpecPolicy.record's
-// counting (its classes are counted in Python). own: the row's (accepted, judged) for the
-// round's source, whose earlier rounds' counts decay by `decay` first.
-void record_rows(py::dict pooled, py::list rounds, double decay) {
+// Per round (own, src_key, dom_key, num_output_tokens, num_drafted, num_accepted):
+// SpecPolicy.record's counting (its classes are counted in Python). own: the row's
+// (accepted, judged) for the round's source, whose earlier rounds' counts decay by `decay`
+// first; max_band as for depth_probs_rows.
+void record_rows(py::dict pooled, py::list rounds, double decay, long max_band) {
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rounds.ptr()); ++i) {
     PyObject* r = PyList_GET_ITEM(rounds.ptr(), i);
     if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 6)
-      throw py::type_error("a round is (own, src_key, dom_key, band, drafted, accepted)");
-    const long band = PyLong_AsLong(PyTuple_GET_ITEM(r, 3));
+      throw py::type_error("a round is (own, src_key, dom_key, num_output_tokens, drafted, "
+                           "accepted)");
+    const long band = position_band(PyLong_AsLong(PyTuple_GET_ITEM(r, 3)), max_band);
     const long num_drafted = PyLong_AsLong(PyTuple_GET_ITEM(r, 4));
     const long num_accepted = PyLong_AsLong(PyTuple_GET_ITEM(r, 5));
     if (PyErr_Occurred()) throw py::error_already_set();
@@ -281,9 +299,10 @@ void record_rows(py::dict pooled, py::list rounds, double decay) {
 
 void register_policy_core(py::module& m) {
   m.def("depth_probs_rows", &depth_probs_rows, py::arg("pooled"), py::arg("rows"),
-        py::arg("priors"));
+        py::arg("priors"), py::arg("max_band"));
   m.def("plan", &plan, py::arg("probs"), py::arg("skip"), py::arg("sampled"),
         py::arg("unit").none(true), py::arg("model"), py::arg("marginal"),
         py::arg("windows"), py::arg("num_rows"), py::arg("extra_s"));
-  m.def("record_rows", &record_rows, py::arg("pooled"), py::arg("rounds"), py::arg("decay"));
+  m.def("record_rows", &record_rows, py::arg("pooled"), py::arg("rounds"), py::arg("decay"),
+        py::arg("max_band"));
 }

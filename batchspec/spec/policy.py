@@ -12,8 +12,6 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from batchspec.config import EngineConfig
 from batchspec.engine.sequence import Sequence
 
@@ -247,21 +245,14 @@ class StepCosts:
             m = self._marginal[key] = [self.draft_s(name, c) for c in range(num_rows + 1)]
         return m
 
-    def draft_marginal_s(self, name: str, num_rows: int) -> np.ndarray:
-        """[c] = the cost of one more row in a forward of draft `name` over c rows, for
-        c < num_rows."""
-        key = (name, num_rows)
-        m = self._marginal.get(key)
-        if m is None:
-            m = self._marginal[key] = np.diff(self.draft_list(name, num_rows))
-        return m
-
     def draft_marginal_list(self, name: str, num_rows: int) -> list[float]:
-        """draft_marginal_s as Python floats (what SpecPolicy._plan sums)."""
-        key = (name, num_rows, list)
+        """[c] = the cost of one more row in a forward of draft `name` over c rows, for
+        c < num_rows (what SpecPolicy._plan sums)."""
+        key = (name, num_rows, "marginal")
         m = self._marginal.get(key)
         if m is None:
-            m = self._marginal[key] = self.draft_marginal_s(name, num_rows).tolist()
+            s = self.draft_list(name, num_rows)
+            m = self._marginal[key] = [b - a for a, b in zip(s, s[1:])]
         return m
 
     def draft_s(self, name: str, b: int) -> float:
@@ -441,10 +432,12 @@ class SpecPolicy:
             src, dom = self._pool_keys(seq, source)
             if classes is not None:
                 self._count_classes(src, classes, num_drafted, num_accepted)
-            counted.append((seq.spec.source_depth.setdefault(source, ([], [])), src, dom,
-                            position_band(seq.num_output_tokens) if MAX_POSITION_BAND else -1,
+            own = seq.spec.source_depth.get(source)
+            if own is None:
+                own = seq.spec.source_depth[source] = ([], [])
+            counted.append((own, src, dom, len(seq.token_ids) - seq.num_prompt_tokens,
                             num_drafted, num_accepted))
-        native.record_rows(self.pooled, counted, REQUEST_DECAY)
+        native.record_rows(self.pooled, counted, REQUEST_DECAY, MAX_POSITION_BAND)
 
     def _count_classes(self, src: tuple, classes: list[int], num_drafted: int,
                        num_accepted: int) -> None:
@@ -499,11 +492,10 @@ class SpecPolicy:
         for seq, source, n, _ in rows:
             src, dom = self._pool_keys(seq, source)
             keyed.append((seq.spec.source_depth.get(source), src, dom,
-                          position_band(seq.num_output_tokens) if MAX_POSITION_BAND else -1,
-                          n))
+                          len(seq.token_ids) - seq.num_prompt_tokens, n))
         probs = native.depth_probs_rows(self.pooled, keyed, (
             PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, BAND_PRIOR_ROUNDS,
-            REQUEST_PRIOR_ROUNDS, MAX_P))
+            REQUEST_PRIOR_ROUNDS, MAX_P), MAX_POSITION_BAND)
         if classes is not None:
             for (seq, source, _, _), row_probs, row_classes in zip(rows, probs, classes):
                 if row_classes is not None:
@@ -1173,3 +1165,4 @@ class SpecPolicy:
         plain, spec = self.measured.get(False), self.measured.get(True)
         return plain is not None and spec is not None and \
             plain[2] / plain[3] < TRY_MARGIN * spec[2] / spec[3]
+
