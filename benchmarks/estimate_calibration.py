@@ -34,9 +34,13 @@ def every_slot(policy) -> None:
     policy._slowdown = types.MethodType(lambda self, spec: slowdown(spec) if spec else 1e9,
                                         policy)
 
-    def full(self, rows, probs, skip, num_rows, extra_s=0.0):
-        _, rate, tokens, seconds, order, row, depth = plan(rows, probs, skip, num_rows, extra_s)
-        return len(order), rate, tokens, seconds, order, row, depth
+    def full(self, rows, probs, skip, num_rows, extra_s=0.0, costs=None):
+        _, rate, tokens, seconds, order, row, depth, _ = plan(rows, probs, skip, num_rows,
+                                                             extra_s, costs)
+        lengths = [0] * len(rows)
+        for i, d in zip(row, depth):
+            lengths[i] = max(lengths[i], d + 1)
+        return len(order), rate, tokens, seconds, order, row, depth, lengths
     policy._plan = types.MethodType(full, policy)
 
 
@@ -62,7 +66,7 @@ def main():
     every_slot(policy)
     predicted: dict[int, list[float]] = {}      # seq id -> this round's survivals
     sums = defaultdict(lambda: [0.0, 0, 0.0, 0])   # depth -> predicted, survived, sq err, n
-    choose, record = policy.choose_lengths, policy.record
+    choose, record = policy.choose_lengths, policy.record_rounds
 
     def chosen(rows, *args, **kwargs):
         lengths = choose(rows, *args, **kwargs)
@@ -77,18 +81,19 @@ def main():
                 predicted[seq.seq_id] = survive
         return lengths
 
-    def recorded(seq, source, num_drafted, num_accepted, classes=None):
-        survive = predicted.pop(seq.seq_id, None)
-        if survive is not None and len(survive) == num_drafted:
-            for d, s in enumerate(survive):
-                held = d < num_accepted
-                c = sums[d]
-                c[0] += s
-                c[1] += held
-                c[2] += (s - held) ** 2
-                c[3] += 1
-        return record(seq, source, num_drafted, num_accepted, classes)
-    policy.choose_lengths, policy.record = chosen, recorded
+    def recorded(rounds):
+        for seq, _, num_drafted, num_accepted, _ in rounds:
+            survive = predicted.pop(seq.seq_id, None)
+            if survive is not None and len(survive) == num_drafted:
+                for d, s in enumerate(survive):
+                    held = d < num_accepted
+                    c = sums[d]
+                    c[0] += s
+                    c[1] += held
+                    c[2] += (s - held) ** 2
+                    c[3] += 1
+        return record(rounds)
+    policy.choose_lengths, policy.record_rounds = chosen, recorded
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens,
                             ignore_eos=True, seed=0)
     print(f"{a.method}, {a.batch_size} rows, T={a.temperature}, every slot admitted; "

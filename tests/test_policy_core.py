@@ -152,3 +152,12 @@ def test_python_reference_when_asked(monkeypatch):
     assert SpecPolicy(Cfg(), 1024).native is None
     monkeypatch.setenv("BATCHSPEC_POLICY_NATIVE", "1")
     assert SpecPolicy(Cfg(), 1024).native is native
+
+
+def test_the_arithmetic_is_looked_up_at_first_use():
+    """A policy that never weighs plans nor counts rounds (plain decoding, a fixed k) does not
+    load the C++ arithmetic; the first weighing does."""
+    policy, rows = random_policy(random.Random(3), 4)
+    assert policy._native is policy_module._UNSET
+    policy.rows_probs(rows)
+    assert policy._native is native

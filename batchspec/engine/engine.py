@@ -613,11 +613,12 @@ class Engine:
         that matched, is judged accepted when it is the token the row committed there. A
         lookup's draft is one token (q one-hot), accepted with the target's probability of
         it, and the committed token is a draw of the target's distribution (exact sampling,
-        over the model's own draws): the same chance, at any temperature. Drafts past the committed tokens are not judged. Without this,
-        routing learned a source's acceptance only from rounds that took it: a code job's
-        first eight suffix rounds (all rejected, one-token matches) priced every later
-        suffix draft at 0.19, the lookup was never taken again, and routed rows at 8 rows
-        made 1.26 tokens a pass where suffix drafts alone made 2.66."""
+        over the model's own draws): the same chance, at any temperature. Drafts past the
+        committed tokens are not judged. Without this, routing learned a source's acceptance
+        only from rounds that took it: a code job's first eight suffix rounds (all rejected,
+        one-token matches) priced every later suffix draft at 0.19, the lookup was never
+        taken again, and routed rows at 8 rows made 1.26 tokens a pass where suffix drafts
+        alone made 2.66."""
         drafts = proposal.token_ids[:len(new)]
         matched = 0
         while matched < len(drafts) and drafts[matched] == new[matched]:

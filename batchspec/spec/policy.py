@@ -259,6 +259,9 @@ class StepCosts:
         return self._at(self.draft[name], b) if b > 0 and name in self.draft else 0.0
 
 
+_UNSET = object()
+
+
 @functools.cache
 def _native_core():
     """kernels/policy_core.cpp's functions (in the CPU kernels' module), or None where the
@@ -352,8 +355,20 @@ class SpecPolicy:
         self._draft_pred: dict[str, float] = {}
         # this step's drafts' catch-up beyond a level, in all and per draft (observe_catch_up)
         self._catch_up_s, self._catch_up = 0.0, {}
-        # the C++ arithmetic of rows' estimates, plans and counting, or None (Python)
-        self.native = native_core()
+        self._native = _UNSET       # (native: looked up at first use)
+
+    @property
+    def native(self):
+        """The C++ arithmetic of rows' estimates, plans and counting (native_core), or None
+        for the Python; looked up at first use, so that an engine that never weighs plans
+        nor counts rounds (a fixed k without routing, plain decoding) does not load it."""
+        if self._native is _UNSET:
+            self._native = native_core()
+        return self._native
+
+    @native.setter
+    def native(self, value) -> None:
+        self._native = value
 
     def draft_for(self, domain: str | None, temperature: float) -> str | None:
         """Name of the draft serving a request: its domain's, else `default`, else None."""
