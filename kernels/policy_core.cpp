@@ -42,6 +42,8 @@ Counts counts_of(PyObject* pair) {
   if (!PyList_Check(c.acc) || !PyList_Check(c.judged))
     throw py::type_error("an estimate's counts are lists");
   c.size = PyList_GET_SIZE(c.judged);
+  if (PyList_GET_SIZE(c.acc) < c.size)
+    throw py::value_error("an estimate has fewer accepted counts than judged ones");
   return c;
 }
 
@@ -76,8 +78,7 @@ Counts pooled_counts(PyObject* pooled, PyObject* key) {
 }
 
 // One shrinkage step: the estimate p shrunk towards counts at depth d with `prior` rounds.
-inline double shrink(
-    const Counts& c, Py_ssize_t d, double p, double prior) {
+inline double shrink(const Counts& c, Py_ssize_t d, double p, double prior) {
   return (number(c.acc, d) + prior * p) / (number(c.judged, d) + prior);
 }
 

@@ -161,3 +161,16 @@ def test_the_arithmetic_is_looked_up_at_first_use():
     assert policy._native is policy_module._UNSET
     policy.rows_probs(rows)
     assert policy._native is native
+
+
+def test_malformed_estimates_raise_rather_than_read_past_a_list():
+    """Counts the C++ cannot read as the Python does (fewer accepted counts than judged,
+    tuples for lists) raise: never a read past the end of a list."""
+    policy, rows = random_policy(random.Random(5), 1)
+    seq, source, _, _ = rows[0]
+    seq.spec.source_depth[source] = ([1], [2, 2])
+    with pytest.raises(ValueError):
+        policy.rows_probs([(seq, source, 2, True)])
+    seq.spec.source_depth[source] = ((1, 1), (2, 2))
+    with pytest.raises(TypeError):
+        policy.rows_probs([(seq, source, 2, True)])
