@@ -1,8 +1,10 @@
 """Which side each step of an adaptive engine ran, job after job on one engine (the demo
 models, held-out prompts): per job its tokens per second and a line of one character a
 step, `S` a speculating step, `t` a plain step of a try of plain while speculation leads,
-`.` a plain step; then each side's slowdown (predicted / measured tokens per second,
-SpecPolicy._slowdown) for the band of batch sizes of the job's full batches. The first job
+`.` a plain step; then, for the band of batch sizes of the job's full batches, what each
+side is judged with: plain's slowdown (predicted / measured tokens per second,
+SpecPolicy._slowdown) and speculation's excess (what its steps measured beyond their
+predicted seconds, on average: SpecPolicy._corrected_rate), with its slowdown too. The first job
 is the engine's first: what a fresh worker does. To trace an earlier policy, put its
 batchspec/spec/policy.py in the tree (git show REV:batchspec/spec/policy.py).
 
@@ -86,9 +88,12 @@ def main():
         current, policy.measured = policy.measured, measured   # (as the policy reads it)
         slowdowns = {side: policy._slowdown(side) for side in measured}
         policy.measured = current
-        print("  slowdown at full batches: " + ", ".join(
-            f"{'speculating' if side else 'plain'} {v:.2f}"
-            for side, v in sorted(slowdowns.items())))
+        parts = [f"plain's slowdown {slowdowns[False]:.2f}"] if False in slowdowns else []
+        if True in measured:
+            m = measured[True]
+            parts.append(f"speculation's excess {1e3 * (m[3] - m[1]):.2f} ms a step "
+                         f"(slowdown {slowdowns[True]:.2f})")
+        print("  at full batches: " + ", ".join(parts))
     if a.tries:
         plain = [(c[2], s) for c, s, _, full in timed
                  if c is not None and not c[0] and full]
