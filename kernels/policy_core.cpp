@@ -54,8 +54,10 @@ double number(PyObject* list, Py_ssize_t i) {
   return v;
 }
 
-// position_band: the band of output positions of a round after num_output tokens (0 for a
-// row's first 16, then one per doubling, up to most), or -1 where no band is kept (most 0)
+// policy.position_band's twin (tests/test_policy_core.py holds them equal over outputs of
+// up to thousands of tokens): the band of output positions of a round after num_output
+// tokens (0 for a row's first 16, then one per doubling, up to most), or -1 where no band
+// is kept (most 0)
 long position_band(long num_output, long most) {
   if (most <= 0) return -1;
   const long bits = num_output > 0 ? 64 - __builtin_clzll(static_cast<uint64_t>(num_output))

@@ -31,8 +31,10 @@ def random_policy(rng: random.Random, num_rows: int):
         temperature = rng.choice([0.0, 0.8])
         seq = Sequence(i, str(i), [1, 2], SamplingParams(temperature=temperature), seed=0,
                        domain=rng.choice(["code", "docs", None]))
-        for _ in range(rng.randrange(0, 90)):
-            seq.token_ids.append(rng.randrange(100))
+        # outputs of every band of positions (0-15, 16-31, ... and past the last, 8)
+        num_output = rng.choice([rng.randrange(0, 90),
+                                 2 ** rng.randrange(4, 14) + rng.randrange(-1, 2)])
+        seq.token_ids += [rng.randrange(100) for _ in range(num_output)]
         source, is_model = rng.choice(SOURCES)
         seq.spec.draft = source
         src, dom = policy._pool_keys(seq, source)
@@ -145,6 +147,40 @@ def test_counting_rounds_is_python_s(seed, monkeypatch):
         for (seq, _, _, _), (ref, _, _, _) in zip(rows, ref_rows):
             assert repr(seq.spec.source_depth) == repr(ref.spec.source_depth)
     assert policy.pooled
+
+
+def test_bands_of_output_positions_are_python_s():
+    """The C++ band of a row's output positions (in the keys of its estimates) is
+    position_band's, at every band's edges and past the last: a row whose estimates differ
+    only in the band at its position gets that band's estimate."""
+    policy = SpecPolicy(Cfg(), 1 << 16)
+    seq = Sequence(0, "0", [1, 2], SamplingParams(), seed=0, domain="code")
+    _, dom = policy._pool_keys(seq, "code")
+    for band in range(policy_module.MAX_POSITION_BAND + 1):
+        policy.pooled[dom + (band,)] = ([band], [policy_module.MAX_POSITION_BAND + 1])
+    for n in sorted({0, 1, 40_000} | {2 ** b + e for b in range(1, 16) for e in (-1, 0, 1)}):
+        seq.token_ids = [1, 2] + [0] * n
+        assert policy.rows_probs([(seq, "code", 1, True)]) == \
+            [policy.depth_probs(seq, "code", 1)], n
+
+
+def test_the_python_serves_where_the_kernels_do_not_build(monkeypatch, caplog):
+    """No compiler (the CPU kernels fail to build): the policy runs the Python arithmetic,
+    with a warning, and gives the same estimates."""
+    from batchspec.spec import _build
+
+    def no_build():
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(_build, "cpu_module", no_build)
+    policy_module._native_core.cache_clear()
+    try:
+        policy, rows = random_policy(random.Random(2), 6)
+        assert policy.native is None
+        assert "C++ policy arithmetic unavailable (no C++ compiler)" in caplog.text
+        assert policy.rows_probs(rows) == [policy.depth_probs(s, src, n)
+                                           for s, src, n, _ in rows]
+    finally:
+        policy_module._native_core.cache_clear()
 
 
 def test_python_reference_when_asked(monkeypatch):

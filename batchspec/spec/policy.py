@@ -290,7 +290,12 @@ def mean_context(seqs: list[Sequence]) -> float:
 def temperature_bucket(seq: Sequence) -> float:
     """The temperature that estimates and measurements are kept per: seq's, to 0.1
     (acceptance falls steeply with it)."""
-    return round(seq.params.temperature, 1)
+    return bucket_of(seq.params.temperature)
+
+
+def bucket_of(temperature: float) -> float:
+    """A temperature's bucket (temperature_bucket)."""
+    return round(temperature, 1)
 
 
 def position_band(num_output_tokens: int, most: int | None = None) -> int:
@@ -450,8 +455,7 @@ class SpecPolicy:
             own = seq.spec.source_depth.get(source)
             if own is None:
                 own = seq.spec.source_depth[source] = ([], [])
-            counted.append((own, src, dom, len(seq.token_ids) - seq.num_prompt_tokens,
-                            num_drafted, num_accepted))
+            counted.append((own, src, dom, seq.num_output_tokens, num_drafted, num_accepted))
         native.record_rows(self.pooled, counted, REQUEST_DECAY, MAX_POSITION_BAND)
 
     def _count_classes(self, src: tuple, classes: list[int], num_drafted: int,
@@ -506,8 +510,8 @@ class SpecPolicy:
         keyed = []
         for seq, source, n, _ in rows:
             src, dom = self._pool_keys(seq, source)
-            keyed.append((seq.spec.source_depth.get(source), src, dom,
-                          len(seq.token_ids) - seq.num_prompt_tokens, n))
+            keyed.append((seq.spec.source_depth.get(source), src, dom, seq.num_output_tokens,
+                          n))
         probs = native.depth_probs_rows(self.pooled, keyed, (
             PRIOR_P, PRIOR_ROUNDS, DOMAIN_PRIOR_ROUNDS, BAND_PRIOR_ROUNDS,
             REQUEST_PRIOR_ROUNDS, MAX_P), MAX_POSITION_BAND)
@@ -795,7 +799,7 @@ class SpecPolicy:
         """The mix of temperatures (each rounded to 0.1, as temperature_bucket) of rows that
         may speculate. (Each distinct temperature rounded once: a call per row took 40 µs at
         32 rows, every time a batch's rows change, nearly every other step.)"""
-        return tuple(sorted({round(t, 1) for t in {seq.params.temperature for seq in seqs}}))
+        return tuple(sorted({bucket_of(t) for t in {seq.params.temperature for seq in seqs}}))
 
     def plain_step(self, seqs: list[Sequence], num_rows: int, lookups: bool = False,
                    mix: tuple | None = None) -> bool:
