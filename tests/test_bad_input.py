@@ -283,6 +283,38 @@ def test_redis_unreachable_is_one_line_and_writes_nothing(command, tmp_path, tin
     assert not (tmp_path / "out").exists()
 
 
+def test_a_connection_reset_by_the_redis_port_is_said_in_one_line(tmp_path):
+    """A port that accepts and resets each connection (a firewall or proxy in front of
+    Redis, or a Redis going down mid-reply): said as 'connection reset', not with redis-py's
+    'Error while reading from HOST:PORT : (104, ...)'."""
+    import struct
+    import threading
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+
+    def reset_all():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(1024)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()                                      # RST, not FIN
+    threading.Thread(target=reset_all, daemon=True).start()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "batchspec.cli", "status", "job-x",
+                               "--broker", url], capture_output=True, text=True, timeout=120)
+    finally:
+        listener.close()
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: cannot reach Redis at {url} (connection reset): start redis-server, or pass "
+        f"--broker / set BATCHSPEC_REDIS_URL"], proc.stderr
+
+
 def test_corrupt_model_files_fail_in_one_line(tmp_path, tiny_llama):
     """A truncated *.safetensors file, a malformed tokenizer_config.json or config.json, and a
     config.json that does not describe the weights (a layer more, another hidden size),

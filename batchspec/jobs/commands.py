@@ -171,8 +171,14 @@ def check_problems(job_id: str, write: Callable[[str], None] | None = None
 
 
 def _reason(e: Exception) -> str:
-    """Why Redis could not be reached, short."""
-    return "connection refused" if "refused" in str(e).lower() else str(e).strip().rstrip(".")
+    """Why Redis could not be reached, short: a connection refused, or one reset or closed
+    while a reply was awaited (the path cut mid-request), rather than redis-py's wording."""
+    text = str(e).lower()
+    if "refused" in text:
+        return "connection refused"
+    if "reset by peer" in text or "closed by server" in text or "broken pipe" in text:
+        return "connection reset"
+    return str(e).strip().rstrip(".")
 
 
 def os_problem(e: OSError) -> str:
