@@ -35,8 +35,8 @@
 // temperature: [R] fp32, with seeds and offsets [R] int64 (the draw's key: seed, output
 //              tokens so far, first_step + step, stream); None: every row greedy
 // top_k, top_p: [R] int64 (0: off) and fp32 (1: off), or None where no row filters
-// Returns (tokens [R, max(steps)] int64, -1 past a row's steps; q [R, max(steps), V] fp32
-// when sampling, else empty).
+// Returns (tokens [R, max(steps)] int64, -1 past a row's steps; q [sum(steps), V] fp32 when
+// sampling, row r's steps after the steps of the rows before it; else empty).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
@@ -210,9 +210,13 @@ std::tuple<Tensor, Tensor> draft_steps(
     offset.assign(of.data_ptr<int64_t>(), of.data_ptr<int64_t>() + R);
   }
   std::vector<float> draw_scratch;   // draw_row's
-  // q of every step of every sampled row: the draft's distribution its tokens were drawn
-  // from (past a row's steps, and a T = 0 row's: unset, and never read)
-  Tensor probs = sampling ? at::empty({R, most, V}, feed.options().dtype(at::kFloat))
+  // q of every step of every sampled row, the draft's distribution its tokens were drawn
+  // from, packed: row r's steps from row first_q[r] on, one after the other (a T = 0 row's
+  // unset and never read), so that rows' q taken in order are one block of memory, which
+  // verification reads as it is (Engine._verify_metadata) instead of a copy
+  std::vector<int64_t> first_q(size_t(R) + 1, 0);
+  for (int64_t r = 0; r < R; ++r) first_q[size_t(r) + 1] = first_q[size_t(r)] + nsteps[r];
+  Tensor probs = sampling ? at::empty({first_q[size_t(R)], V}, feed.options().dtype(at::kFloat))
                           : at::empty({0}, feed.options().dtype(at::kFloat));
   for (int64_t s = 0; s < most; ++s) {
     // the step's inputs, as the runner and build_metadata make them for short rows
@@ -304,7 +308,7 @@ std::tuple<Tensor, Tensor> draft_steps(
       for (int64_t a = 0; a < M; ++a) {
         const int64_t r = active[a];
         if (!(temp[r] > 0.f)) continue;
-        float* q = probs.data_ptr<float>() + (r * most + s) * V;
+        float* q = probs.data_ptr<float>() + (first_q[size_t(r)] + s) * V;
         if (filtered.defined())
           std::copy_n(filtered.data_ptr<float>() + a * V, V, q);
         else

@@ -29,6 +29,32 @@ STEP_COST_CONTEXT = 128
 SMALL_MODEL_PARAMS = 50_000_000
 
 
+def joined(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-D blocks one under the other, as torch.cat gives them, without a copy where
+    they already lie so in memory: a model draft's call gives its rows' q as consecutive
+    views of one tensor (ModelRunner.draft_steps), so a step whose speculating rows share
+    one draft verifies with the call's q as it is. Copying it cost 1-2 us a drafted token
+    (16 KiB each with the demo's vocabulary); runs of blocks that lie apart are copied."""
+    runs: list[list[torch.Tensor]] = []
+    for b in blocks:
+        last = runs[-1][-1] if runs else None
+        if last is not None and b.is_contiguous() and last.is_contiguous() and \
+                b.dtype == last.dtype and b.shape[1:] == last.shape[1:] and \
+                b.untyped_storage().data_ptr() == last.untyped_storage().data_ptr() and \
+                b.storage_offset() == last.storage_offset() + last.numel():
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    if len(runs) > 1:
+        return torch.cat(blocks)
+    first = blocks[0]
+    if len(blocks) == 1:
+        return first
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (sum(b.shape[0] for b in blocks), *first.shape[1:]),
+                                   first.stride())
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = c = config
@@ -271,16 +297,16 @@ class Engine:
                        tables: list[list[int]]) -> dict:
         """Shapes that time what sampling at T > 0 adds to a round of b rows drafting k tokens
         each, beyond the forwards (which are timed greedy): verification of the k + 1
-        windows with the drafts' q (gathered into one tensor, as _verify_metadata does) at
-        T = 1 against T = 0, and each model draft's k steps in one call drawing from q
-        (softmax over the vocabulary, q kept per row as propose keeps it) against its greedy
-        steps. At 32 rows and T = 0.8 a fixed k = 4 spent 3.8 ms a step in its draft's calls
+        windows with the drafts' q (the rows' views of one draft's call, which
+        _verify_metadata joins without a copy) at T = 1 against T = 0, and each model
+        draft's k steps in one call drawing from q (softmax over the vocabulary, q kept per
+        row as propose keeps it) against its greedy steps. At 32 rows and T = 0.8 a fixed k = 4 spent 3.8 ms a step in its draft's calls
         against 2.2 at T = 0, and 0.9 ms verifying against 0.13: about 19 us a drafted token
         that the greedy forwards leave out (benchmarks/step_phases.py)."""
         dev, V = self.target.device, self.target.cfg.vocab_size
         logits = self.target.forward([[0] * (k + 1)] * b, [ctx] * b, tables[:b], [k + 1] * b,
                                      float_logits=False)    # (as a step's: its dtype)
-        q = torch.softmax(torch.randn(b, k, V), dim=-1).to(dev)
+        q = list(torch.softmax(torch.randn(b * k, V), dim=-1).to(dev).split(k))
         ids = torch.randint(V, (b * k,), dtype=torch.int32, device=dev)
         cu = torch.arange(0, b * k + 1, k, dtype=torch.int32, device=dev)
         i64 = dict(dtype=torch.int64, device=dev)
@@ -291,15 +317,13 @@ class Engine:
                                   draft_probs=probs, max_num_draft=k)
         runs = {("verify", 0.0): (lambda: verify(logits, meta(0.0, None), self.verify_backend,
                                                  resolved=True), 1, dev),
-                ("verify", 1.0): (lambda: verify(logits, meta(1.0, torch.cat(
-                    [torch.stack(q[a].unbind(0)) for a in range(b)])), self.verify_backend,
-                    resolved=True), 1, dev)}
+                ("verify", 1.0): (lambda: verify(logits, meta(1.0, joined(q)),
+                                                 self.verify_backend, resolved=True), 1, dev)}
         sampling = ([1.0] * b, list(range(b)), [0] * b, [0] * b, [1.0] * b)
         for runner in {id(r): r for r in runners.values() if r.steps_in_one_call}.values():
             def draw(runner=runner):
-                _, qs = runner.draft_steps([[0]] * b, [ctx] * b, tables[:b], [k] * b, 0,
-                                           sampling)
-                return [torch.stack(qs[a, :k].unbind(0)) for a in range(b)]
+                return runner.draft_steps([[0]] * b, [ctx] * b, tables[:b], [k] * b, 0,
+                                          sampling)
             runs["draw", id(runner)] = (draw, 1, runner.device)
         return runs
 
@@ -544,7 +568,7 @@ class Engine:
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         draft_probs = None
         if cu[-1] and any(p.temperature > 0 for p in params):   # (of the floats: no torch op)
-            draft_probs = torch.cat([
+            draft_probs = joined([
                 s.proposal.probs if s.proposal.probs is not None else
                 torch.nn.functional.one_hot(torch.tensor(s.proposal.token_ids), V).float()
                 for s in sampling if s.num_drafts]).to(dev)

@@ -94,14 +94,16 @@ class ModelRunner:
                     block_tables: list[list[int]], steps: list[int], first_step: int = 0,
                     sampling: tuple[list[float], list[int], list[int], list[int],
                                     list[float]] | None = None
-                    ) -> tuple[list[list[int]], torch.Tensor | None] | None:
+                    ) -> tuple[list[list[int]], list[torch.Tensor] | None] | None:
         """A draft's steps in one C++ call (kernels/draft_steps_cpu.cpp): row i feeds
         feeds[i] (1 to DECODE_MAX_Q tokens) from positions[i], then the token drawn from its
         last logits, for steps[i] >= 1 forwards. sampling: each row's temperature, seed and
         output tokens so far (the draw's key, with first_step + step), top-k (at most V; 0:
         off) and top-p (greedy rows take the argmax; None: all greedy). Returns each row's
-        steps[i] tokens and, when sampling, q [rows, max(steps), V]:
-        DraftModelProposer.propose's tokens and q, bit for bit. None where the op does not
+        steps[i] tokens and, when sampling, its q [steps[i], V] (a greedy row's unset):
+        DraftModelProposer.propose's tokens and q, bit for bit. The rows' q are views of one
+        tensor, each row's right after the one before, so that verification reads the q of
+        rows taken in order without a copy (Engine._verify_metadata). None where the op does not
         cover this model (LlamaForCausalLM.draft_steps_weights), device or rows: the caller
         then steps with `forward`."""
         if not self._steps or any(len(f) > DECODE_MAX_Q for f in feeds):
@@ -124,7 +126,7 @@ class ModelRunner:
                        longs[T + R:T + 2 * R], tables, longs[T + 2 * R:], temps, seeds,
                        offsets, top_k, top_p, STREAM_DRAFT, first_step)
         return ([row[:n] for row, n in zip(tokens.tolist(), steps)],
-                q if sampling is not None else None)
+                list(q.split(steps)) if sampling is not None else None)
 
     def _find_draft_steps(self) -> None:
         """Whether draft_steps runs here (read once the KV cache exists, environment

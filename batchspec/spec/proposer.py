@@ -86,7 +86,7 @@ class DraftModelProposer:
         up to max_drafts tokens per row, all rows in one forward per draft step."""
         out = [Proposal([], None) for _ in rows]
         feed = [seq.token_ids[seq.spec.num_draft_computed:] for seq, _ in rows]
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]   # per row: q's blocks [n, V]
         active = list(range(len(rows)))
         step = 0
         self.catch_up = (0.0, 0)
@@ -126,15 +126,16 @@ class DraftModelProposer:
                     continue
                 out[i].token_ids.append(token_list[a])
                 if q is not None:
-                    probs[i].append(q[a])
+                    probs[i].append(q[a:a + 1])
                 if len(out[i].token_ids) < rows[i][1]:
                     feed[i] = [token_list[a]]
                     still.append(i)
             active = still
             step += 1
         for i, p in enumerate(probs):
-            if p and len(p) == len(out[i].token_ids):
-                out[i].probs = torch.stack(p)
+            if p and sum(len(b) for b in p) == len(out[i].token_ids):
+                # a row drafted in one call keeps the call's view of its q (no copy)
+                out[i].probs = p[0] if len(p) == 1 else torch.cat(p)
         return out
 
     def _in_one_call(self, rows, active: list[int], feed: list[list[int]],
@@ -165,7 +166,7 @@ class DraftModelProposer:
             out[i].token_ids.extend(tokens[a])
             s.spec.num_draft_computed += len(feed[i]) + n - 1
             if q is not None and s.params.temperature > 0:   # greedy rows need no q
-                probs[i].extend(q[a, :n].unbind(0))
+                probs[i].append(q[a])
         return True
 
 
