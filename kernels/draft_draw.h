@@ -16,9 +16,11 @@ namespace bs {
 
 // q = softmax(row * inv_t) (tokens at -inf get 0): one vectorised pass where the CPU has AVX2
 // (verify_host_rows.h, exp to ~2e-7 relative), else the loop below. A row with a NaN or +inf,
-// or all -inf, gets NaN throughout, as torch's softmax gives it.
-inline void softmax_row(const float* row, int V, float inv_t, float* q) {
-  if (host_softmax(row, V, inv_t, q)) return;
+// or all -inf, gets NaN throughout, as torch's softmax gives it. With `blocks` (V / 8 rounded
+// up), the vectorised pass also sums q a block at a time as block_sums does; returns whether
+// it did (false: the caller sums them).
+inline bool softmax_row(const float* row, int V, float inv_t, float* q, float* blocks = nullptr) {
+  if (host_softmax(row, V, inv_t, q, blocks)) return blocks != nullptr;
   float m = -INFINITY;
   bool bad = false;
   for (int i = 0; i < V; ++i) {
@@ -28,7 +30,7 @@ inline void softmax_row(const float* row, int V, float inv_t, float* q) {
   }
   if (bad || m == -INFINITY) {
     std::fill(q, q + V, std::numeric_limits<float>::quiet_NaN());
-    return;
+    return false;
   }
   float s = 0.f;
   for (int i = 0; i < V; ++i) {
@@ -36,28 +38,33 @@ inline void softmax_row(const float* row, int V, float inv_t, float* q) {
     s += q[i];
   }
   for (int i = 0; i < V; ++i) q[i] /= s;
+  return false;
 }
 
-// One draw from q [V] (>= 0, need not sum to 1): the first token whose running sum of q
-// passes u times the row's total. The sums run over blocks of 8 tokens (each block's sum in a
-// fixed order, then the blocks in turn), and one token at a time within the block the target
-// falls in; a token of q = 0 is never drawn. Tokens come with probability q / total up to the
-// rounding of the sums (~1e-7 relative). `blocks`: scratch, reused across rows.
-inline int draw_row(const float* q, int V, float u, std::vector<float>& blocks) {
-  const int nb = (V + 7) / 8;
-  blocks.resize(size_t(nb));
-  float total = 0.f;
-  for (int b = 0; b < nb; ++b) {
+// The sums of q [V] over blocks of 8 tokens, each in a fixed order (a vector's lanes summed
+// pairwise), the last block's missing tokens 0.
+inline void block_sums(const float* q, int V, float* blocks) {
+  for (int b = 0; b < (V + 7) / 8; ++b) {
     float x[8] = {};
     for (int j = 0; j < 8 && 8 * b + j < V; ++j) x[j] = q[8 * b + j];
-    blocks[size_t(b)] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
-    total += blocks[size_t(b)];
+    blocks[b] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
   }
+}
+
+// One draw from q [V] (>= 0, need not sum to 1), given its block sums (block_sums): the first
+// token whose running sum of q passes u times the row's total. The blocks are summed in turn,
+// then the tokens of the block the target falls in one at a time; a token of q = 0 is never
+// drawn. Tokens come with probability q / total up to the rounding of the sums (~1e-7
+// relative).
+inline int draw_in_blocks(const float* q, int V, float u, const float* blocks) {
+  const int nb = (V + 7) / 8;
+  float total = 0.f;
+  for (int b = 0; b < nb; ++b) total += blocks[b];
   const float target = u * total;
   float c = 0.f;
   for (int b = 0; b < nb; ++b) {
-    if (!(c + blocks[size_t(b)] > target)) {
-      c += blocks[size_t(b)];
+    if (!(c + blocks[b] > target)) {
+      c += blocks[b];
       continue;
     }
     int last = -1;   // the block's sums one token at a time may fall short by a rounding
@@ -70,6 +77,22 @@ inline int draw_row(const float* q, int V, float u, std::vector<float>& blocks) 
     if (last >= 0) return last;
   }
   return V - 1;    // (a row of NaN or no mass: malformed logits)
+}
+
+// One draw from q [V] (draw_in_blocks). `blocks`: scratch, reused across rows.
+inline int draw_row(const float* q, int V, float u, std::vector<float>& blocks) {
+  blocks.resize(size_t((V + 7) / 8));
+  block_sums(q, V, blocks.data());
+  return draw_in_blocks(q, V, u, blocks.data());
+}
+
+// q = softmax(row * inv_t) and one draw from it, as softmax_row then draw_row give them, bit
+// for bit; the vectorised pass sums the blocks as it writes q (one pass over q fewer).
+inline int softmax_draw_row(const float* row, int V, float inv_t, float u, float* q,
+                            std::vector<float>& blocks) {
+  blocks.resize(size_t((V + 7) / 8));
+  if (!softmax_row(row, V, inv_t, q, blocks.data())) block_sums(q, V, blocks.data());
+  return draw_in_blocks(q, V, u, blocks.data());
 }
 
 }  // namespace bs

@@ -284,7 +284,11 @@ std::tuple<Tensor, Tensor> draft_steps(
       if (trimmed)   // as LlamaForCausalLM._full_vocab: -inf where the draft cannot propose
         logits = at::full({M, V}, -std::numeric_limits<float>::infinity(), logits.options())
                      .index_copy_(1, head_rows, logits);
-      next = op.argmax.call(logits);
+      // the greedy rows' tokens (each sampled row's is drawn below: no argmax where all are)
+      const bool any_greedy =
+          !sampling || std::any_of(active.begin(), active.end(),
+                                   [&](int64_t r) { return !(temp[size_t(r)] > 0.f); });
+      next = any_greedy ? op.argmax.call(logits) : at::empty({M}, i64);
     }
     if (sampling) {
       // DraftModelProposer.propose's draw, row by row into the row's q: q = draft_probs
@@ -309,13 +313,15 @@ std::tuple<Tensor, Tensor> draft_steps(
         const int64_t r = active[a];
         if (!(temp[r] > 0.f)) continue;
         float* q = probs.data_ptr<float>() + (first_q[size_t(r)] + s) * V;
-        if (filtered.defined())
-          std::copy_n(filtered.data_ptr<float>() + a * V, V, q);
-        else
-          bs::softmax_row(logits.data_ptr<float>() + a * V, int(V), 1.f / temp[r], q);
         const float u = bs::keyed_uniform(uint64_t(seed[r]), uint64_t(offset[r]),
                                           uint32_t(first_step + s), uint32_t(stream), 0);
-        nx[a] = bs::draw_row(q, int(V), u, draw_scratch);
+        if (filtered.defined()) {
+          std::copy_n(filtered.data_ptr<float>() + a * V, V, q);
+          nx[a] = bs::draw_row(q, int(V), u, draw_scratch);
+        } else {   // (softmax_row then draw_row, the blocks summed as q is written)
+          nx[a] = bs::softmax_draw_row(logits.data_ptr<float>() + a * V, int(V), 1.f / temp[r],
+                                       u, q, draw_scratch);
+        }
       }
     }
     const int64_t* nx = next.data_ptr<int64_t>();

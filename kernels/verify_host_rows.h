@@ -285,23 +285,57 @@ BS_ROW_AVX2 int argmax_avx2(const T* row, int V) {
 }
 
 // q = softmax(x * inv_t) of an fp32 row (tokens at -inf get 0): the max, then exp(z - max)
-// into q with their sum, then q / sum; false (q untouched) for a NaN or +inf, or a row all
-// -inf: the caller's loop gives what torch gives
-BS_ROW_AVX2 inline bool softmax_avx2(const float* row, int V, float inv_t, float* q) {
+// into q with their sum (the sum row_lse_avx2 takes: the same lanes, in the same order), then
+// q / sum; false (q untouched) for a NaN or +inf, or a row all -inf: the caller's loop gives
+// what torch gives. With `blocks`, also each block of 8 tokens' sum of q, as draw_row sums it
+// ((q0 + q4) + (q2 + q6)) + ((q1 + q5) + (q3 + q7)), the last block's missing tokens 0: the
+// draw then reads q once more only within the block it lands in (draft_draw.h).
+BS_ROW_AVX2 inline bool softmax_avx2(const float* row, int V, float inv_t, float* q,
+                                     float* blocks = nullptr) {
   const int whole = V / 8 * 8;
-  float m, zmin, s;
-  if (!row_lse_avx2(row, V, inv_t, m, zmin, s) || m == -INFINITY) return false;
-  const __m256 it = _mm256_set1_ps(inv_t), vm = _mm256_set1_ps(m), vs = _mm256_set1_ps(s),
+  const __m256 it = _mm256_set1_ps(inv_t), pinf = _mm256_set1_ps(INFINITY),
                ninf = _mm256_set1_ps(-INFINITY);
+  __m256 vmax = ninf, bad = _mm256_setzero_ps();
+  for (int i = 0; i < whole; i += 8) {
+    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(row + i), it);
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(z, z, _CMP_UNORD_Q),
+                                         _mm256_cmp_ps(z, pinf, _CMP_EQ_OQ)));
+    vmax = _mm256_max_ps(vmax, z);
+  }
+  if (_mm256_movemask_ps(bad)) return false;
+  float m = reduce_max8(vmax);
+  for (int i = whole; i < V; ++i) {
+    const float z = row[i] * inv_t;
+    if (z != z || z == INFINITY) return false;
+    m = z > m ? z : m;
+  }
+  if (m == -INFINITY) return false;
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
   for (int i = 0; i < whole; i += 8) {
     const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(row + i), it);
     const __m256 e = _mm256_and_ps(_mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ),
                                    exp8(_mm256_sub_ps(z, vm)));
-    _mm256_storeu_ps(q + i, _mm256_div_ps(e, vs));
+    _mm256_storeu_ps(q + i, e);
+    acc = _mm256_add_ps(acc, e);
   }
+  float s = reduce_add8(acc);
   for (int i = whole; i < V; ++i) {
     const float z = row[i] * inv_t;
-    q[i] = z != -INFINITY ? exp_nonpositive(z - m) / s : 0.f;
+    q[i] = z != -INFINITY ? exp_nonpositive(z - m) : 0.f;
+    if (z != -INFINITY) s += q[i];
+  }
+  const __m256 vs = _mm256_set1_ps(s);
+  for (int i = 0; i < whole; i += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(q + i), vs);
+    _mm256_storeu_ps(q + i, x);
+    if (blocks) blocks[i / 8] = reduce_add8(x);
+  }
+  for (int i = whole; i < V; ++i) q[i] /= s;
+  if (blocks && whole < V) {
+    float x[8] = {};
+    for (int j = 0; whole + j < V; ++j) x[j] = q[whole + j];
+    blocks[whole / 8] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
   }
   return true;
 }
@@ -397,9 +431,10 @@ const float* host_residual(const T* row, int V, float inv_t, float thresh, float
 }
 
 // q = softmax(x * inv_t) of an fp32 row by the vectorised pass; false: the caller's loop
-inline bool host_softmax(const float* row, int V, float inv_t, float* q) {
+inline bool host_softmax(const float* row, int V, float inv_t, float* q,
+                         float* blocks = nullptr) {
 #if defined(BS_HAVE_AVX512_PATH)
-  if (avx2_row<float>(V)) return softmax_avx2(row, V, inv_t, q);
+  if (avx2_row<float>(V)) return softmax_avx2(row, V, inv_t, q, blocks);
 #endif
   return false;
 }
