@@ -322,6 +322,42 @@ def test_speculative_sampling_is_exact(model_factory, tmp_path, temperature, top
                                                                    top_p))
 
 
+@pytest.mark.parametrize("vocab", [509, 515])
+def test_draft_steps_draw_like_the_loop_where_the_vocabulary_is_not_whole_vectors(
+        model_factory, vocab):
+    """The C++ steps' draw sums q's blocks of 8 tokens as it writes q (draft_draw.h's
+    softmax_draw_row); the step-by-step loop sums them from q (draw_rows). With a vocabulary
+    that is not a whole number of blocks or vectors (the last block's missing tokens 0), the
+    two draw the same tokens from the same q, at temperatures from 0.3 to 1.5."""
+    from batchspec.engine.runner import ModelRunner
+    from batchspec.engine.sequence import Sequence
+    from batchspec.spec.proposer import DraftModelProposer
+    draft = model_factory("llama", vocab_size=vocab, tokenizer=False, seed=4, num_layers=1,
+                          hidden_size=64, num_heads=2, num_kv_heads=1, init_std=0.5)
+    temps = [0.3, 0.8, 1.0, 1.5, 0.6, 1.2]
+
+    def propose(cpp: bool):
+        runner = ModelRunner(draft, "cpu", "float32")
+        runner.allocate_kv_cache(64, 16)
+        if cpp and not runner.steps_in_one_call:
+            pytest.skip("no C++ draft steps for this model here")
+        if not cpp:
+            runner._steps = False
+        seqs = []
+        for i, t in enumerate(temps):
+            prompt = [(7 * i + j) % vocab for j in range(5 + i)]
+            runner.forward([prompt], [0], [[2 * i, 2 * i + 1]], [1])
+            s = Sequence(i, str(i), prompt, SamplingParams(temperature=t, max_tokens=64),
+                         seed=100 + i)
+            s.token_ids.append(3)
+            s.block_table, s.spec.num_draft_computed = [2 * i, 2 * i + 1], len(prompt)
+            seqs.append(s)
+        return DraftModelProposer(runner, 0.0).propose([(s, 6) for s in seqs])
+
+    for a, b in zip(propose(True), propose(False)):
+        assert a.token_ids == b.token_ids and torch.equal(a.probs, b.probs)
+
+
 def test_joined_is_cat_and_shares_the_memory_of_consecutive_views():
     """engine.joined: what torch.cat gives, in the blocks' own memory where they lie one
     after the other (a draft's call's rows' q), copied where they do not."""
