@@ -35,8 +35,10 @@
 // temperature: [R] fp32, with seeds and offsets [R] int64 (the draw's key: seed, output
 //              tokens so far, first_step + step, stream); None: every row greedy
 // top_k, top_p: [R] int64 (0: off) and fp32 (1: off), or None where no row filters
-// Returns (tokens [R, max(steps)] int64, -1 past a row's steps; q [sum(steps), V] fp32 when
-// sampling, row r's steps after the steps of the rows before it; else empty).
+// q_out, q_rows: optional, where q goes when sampling: row r's steps from row q_rows[r] of
+//              q_out [N, V] fp32 on
+// Returns (tokens [R, max(steps)] int64, -1 past a row's steps; q when sampling: q_out, or
+// [sum(steps), V] fp32 with row r's steps after the steps of the rows before it; else empty).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
@@ -142,7 +144,7 @@ std::tuple<Tensor, Tensor> draft_steps(
     const Tensor& block_tables, const Tensor& steps, const std::optional<Tensor>& temperature,
     const std::optional<Tensor>& seeds, const std::optional<Tensor>& offsets,
     const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p, int64_t stream,
-    int64_t first_step) {
+    int64_t first_step, const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_rows) {
   c10::InferenceMode guard;
   TORCH_CHECK(dims.size() == 9, "draft_steps: 9 dims");
   const int64_t L = dims[0], Hq = dims[1], Hkv = dims[2], D = dims[3], H = dims[4],
@@ -214,10 +216,27 @@ std::tuple<Tensor, Tensor> draft_steps(
   // from, packed: row r's steps from row first_q[r] on, one after the other (a T = 0 row's
   // unset and never read), so that rows' q taken in order are one block of memory, which
   // verification reads as it is (Engine._verify_metadata) instead of a copy
+  // (or, with q_out, from row q_rows[r] of q_out on: the caller's buffer, which may hold
+  // other calls' rows between this call's)
   std::vector<int64_t> first_q(size_t(R) + 1, 0);
   for (int64_t r = 0; r < R; ++r) first_q[size_t(r) + 1] = first_q[size_t(r)] + nsteps[r];
-  Tensor probs = sampling ? at::empty({first_q[size_t(R)], V}, feed.options().dtype(at::kFloat))
-                          : at::empty({0}, feed.options().dtype(at::kFloat));
+  Tensor probs;
+  if (sampling && q_out.has_value()) {
+    TORCH_CHECK(q_rows.has_value() && q_rows->scalar_type() == at::kLong &&
+                    q_rows->numel() == R && q_out->scalar_type() == at::kFloat &&
+                    q_out->dim() == 2 && q_out->size(1) == V && q_out->is_contiguous(),
+                "draft_steps: q_out [N, V] fp32 (contiguous) with q_rows [R] int64");
+    const Tensor qr = q_rows->contiguous();
+    for (int64_t r = 0; r < R; ++r) {
+      first_q[size_t(r)] = qr.data_ptr<int64_t>()[r];
+      TORCH_CHECK(first_q[size_t(r)] >= 0 && first_q[size_t(r)] + nsteps[r] <= q_out->size(0),
+                  "draft_steps: a row's q past q_out");
+    }
+    probs = *q_out;
+  } else {
+    probs = sampling ? at::empty({first_q[size_t(R)], V}, feed.options().dtype(at::kFloat))
+                     : at::empty({0}, feed.options().dtype(at::kFloat));
+  }
   for (int64_t s = 0; s < most; ++s) {
     // the step's inputs, as the runner and build_metadata make them for short rows
     std::vector<int64_t> active, ids, pids, slots, rows, last;
@@ -341,7 +360,7 @@ TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
   m.def("draft_steps(Tensor[] weights, int[] dims, float eps, float scale, int block_size, "
         "Tensor[] caches, Tensor feed, Tensor feed_lens, Tensor positions, Tensor block_tables, "
         "Tensor steps, Tensor? temperature, Tensor? seeds, Tensor? offsets, Tensor? top_k, "
-        "Tensor? top_p, int stream, int first_step) "
+        "Tensor? top_p, int stream, int first_step, Tensor? q_out=None, Tensor? q_rows=None) "
         "-> (Tensor, Tensor)");
 }
 

@@ -1001,7 +1001,7 @@ def test_while_plain_leads_no_source_drafts_between_weighings(tiny_llama):
     proposer = engine.proposers["default"]
     calls, slots = [], []
     real = proposer.propose
-    proposer.propose = lambda rows: calls.append(len(rows)) or real(rows)
+    proposer.propose = lambda rows, *into: calls.append(len(rows)) or real(rows, *into)
     schedule = engine.scheduler.schedule
 
     def counted(*args, **kwargs):
@@ -1038,10 +1038,10 @@ def test_speculating_steps_whose_drafts_catch_up_are_measured(tiny_llama):
     step_lag, seen = [0], []
     real_propose, real_observe = proposer.propose, policy.observe
 
-    def propose(rows):
+    def propose(rows, *args):
         step_lag[0] = max(step_lag[0], *(len(seq) - seq.spec.num_draft_computed
                                          for seq, _ in rows))
-        return real_propose(rows)
+        return real_propose(rows, *args)
 
     def observe(seconds, tokens, *args, **kwargs):
         if policy._chosen is not None and policy._chosen[0]:

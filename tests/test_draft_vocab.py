@@ -91,8 +91,8 @@ def test_each_row_chooses_by_its_temperature(tiny_llama, tmp_path):
     for name in served:   # which rows each proposer drafts for, and what it drafts
         proposer = engine.proposers[name]
 
-        def propose(rows, name=name, inner=proposer.propose):
-            got = inner(rows)
+        def propose(rows, *into, name=name, inner=proposer.propose):
+            got = inner(rows, *into)
             served[name].update(seq.request_id for seq, _ in rows)
             if name == "default+vocab":
                 assert all(t in ids for p in got for t in p.token_ids)

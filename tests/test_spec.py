@@ -359,9 +359,9 @@ def test_draft_steps_draw_like_the_loop_where_the_vocabulary_is_not_whole_vector
 
 
 def test_joined_is_cat_and_shares_the_memory_of_consecutive_views():
-    """engine.joined: what torch.cat gives, in the blocks' own memory where they lie one
+    """proposer.joined: what torch.cat gives, in the blocks' own memory where they lie one
     after the other (a draft's call's rows' q), copied where they do not."""
-    from batchspec.engine.engine import joined
+    from batchspec.spec.proposer import joined
     q = torch.randn(10, 8)
     parts = list(q.split([3, 2, 5]))
     cases = [(parts, True), (parts[1:], True), ([parts[1]], True), ([parts[0], parts[2]], False),
@@ -373,18 +373,24 @@ def test_joined_is_cat_and_shares_the_memory_of_consecutive_views():
         assert (got.data_ptr() == blocks[0].data_ptr()) == shared
 
 
-def test_a_draft_calls_q_reaches_verification_without_a_copy(model_factory, monkeypatch):
-    """Rows drafted in one C++ call (ModelRunner.draft_steps) keep the call's q as views, each
-    row's right after the one before, ragged lengths included, and a step whose speculating
-    rows share that draft hands verification that memory as it is (Engine._verify_metadata):
-    the rows' q were stacked a row at a time, then copied again into one tensor, at 32 rows
-    and k = 4 about 0.4 ms of a 9 ms step. The outputs are those of the step-by-step loop."""
+@pytest.mark.parametrize("two_drafts", [False, True])
+def test_drafts_q_reach_verification_without_a_copy(model_factory, monkeypatch, two_drafts):
+    """Rows drafted in C++ calls (ModelRunner.draft_steps) write their q into one buffer of
+    the step, the rows' slots in the order verification reads them (Engine._q_buffer),
+    ragged lengths included, and verification takes that memory as it is
+    (Engine._verify_metadata); with two drafts (rows of two domains side by side) too. The
+    rows' q were stacked a row at a time, then copied again into one tensor: at 64 rows and
+    k = 4, 0.3 ms of an 18 ms step. The outputs are those of the step-by-step loop."""
     from batchspec.engine.engine import Engine
     draft = model_factory("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
                           num_kv_heads=1)
+    other = model_factory("llama", seed=4, num_layers=1, hidden_size=64, num_heads=2,
+                          num_kv_heads=1)
     target = model_factory("llama", seed=2, hidden_size=128, num_heads=2, num_kv_heads=1)
-    kw = dict(drafts={"default": draft}, num_speculative_tokens=4, device="cpu",
-              dtype="bfloat16", min_acceptance=0.0)
+    drafts = {"default": draft, "code": other} if two_drafts else {"default": draft}
+    kw = dict(drafts=drafts, num_speculative_tokens=4, device="cpu", dtype="bfloat16",
+              min_acceptance=0.0)
+    domains = ["code", None, "code", None, None] if two_drafts else None
     llm = LLM(target, **kw)
     if not llm.engine.proposers["default"].runner.steps_in_one_call:
         pytest.skip("no C++ draft steps for this model here")
@@ -396,18 +402,21 @@ def test_a_draft_calls_q_reaches_verification_without_a_copy(model_factory, monk
         probs = [s.proposal.probs for s in sampling if s.num_drafts]
         if meta.draft_probs is not None and all(p is not None for p in probs):
             seen.append((meta.draft_probs.data_ptr() == probs[0].data_ptr(),
-                         len({len(p) for p in probs}) > 1))
+                         len({len(p) for p in probs}) > 1,
+                         len({s.source for s in sampling if s.num_drafts})))
         return meta
     monkeypatch.setattr(Engine, "_verify_metadata", checked)
     sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=5)
-    outs = llm.generate(PROMPTS, sampled, use_tqdm=False)
+    outs = llm.generate(PROMPTS, sampled, use_tqdm=False, domains=domains)
     # (the first step's rows catch up on their prompts with a forward before the call: their
     # q joins that forward's, a copy)
-    assert len(seen) > 5 and all(shared for shared, _ in seen[1:])
-    assert any(ragged for _, ragged in seen[1:])
+    assert len(seen) > 5 and all(shared for shared, _, _ in seen[1:])
+    assert any(ragged for _, ragged, _ in seen[1:])
+    assert max(n for _, _, n in seen) == (2 if two_drafts else 1)
     monkeypatch.setattr(Engine, "_verify_metadata", metadata)
     monkeypatch.setenv("BATCHSPEC_CPU_DRAFT_STEPS", "python")
-    for a, b in zip(outs, LLM(target, **kw).generate(PROMPTS, sampled, use_tqdm=False)):
+    for a, b in zip(outs, LLM(target, **kw).generate(PROMPTS, sampled, use_tqdm=False,
+                                                     domains=domains)):
         assert a.token_ids == b.token_ids
 
 

@@ -93,7 +93,8 @@ class ModelRunner:
     def draft_steps(self, feeds: list[list[int]], positions: list[int],
                     block_tables: list[list[int]], steps: list[int], first_step: int = 0,
                     sampling: tuple[list[float], list[int], list[int], list[int],
-                                    list[float]] | None = None
+                                    list[float]] | None = None,
+                    into: tuple[torch.Tensor, list[int]] | None = None
                     ) -> tuple[list[list[int]], list[torch.Tensor] | None] | None:
         """A draft's steps in one C++ call (kernels/draft_steps_cpu.cpp): row i feeds
         feeds[i] (1 to DECODE_MAX_Q tokens) from positions[i], then the token drawn from its
@@ -102,10 +103,11 @@ class ModelRunner:
         off) and top-p (greedy rows take the argmax; None: all greedy). Returns each row's
         steps[i] tokens and, when sampling, its q [steps[i], V] (a greedy row's unset):
         DraftModelProposer.propose's tokens and q, bit for bit. The rows' q are views of one
-        tensor, each row's right after the one before, so that verification reads the q of
-        rows taken in order without a copy (Engine._verify_metadata). None where the op does not
-        cover this model (LlamaForCausalLM.draft_steps_weights), device or rows: the caller
-        then steps with `forward`."""
+        tensor, each row's right after the one before (so that verification reads the q of
+        rows taken in order without a copy: Engine._verify_metadata), or, with `into`
+        (buffer [N, V] fp32, each row's first row in it), of the buffer from those rows on.
+        None where the op does not cover this model (LlamaForCausalLM.draft_steps_weights),
+        device or rows: the caller then steps with `forward`."""
         if not self._steps or any(len(f) > DECODE_MAX_Q for f in feeds):
             return None
         op, weights, dims, caches = self._steps
@@ -121,12 +123,18 @@ class ModelRunner:
             seeds, offsets = (torch.tensor(v, dtype=torch.long) for v in sampling[1:3])
             top_k = torch.tensor(sampling[3]) if any(sampling[3]) else None
             top_p = torch.tensor(sampling[4]) if any(p < 1.0 for p in sampling[4]) else None
+        q_out, q_rows = (into[0], torch.tensor(into[1], dtype=torch.long)) \
+            if into is not None and sampling is not None else (None, None)
         tokens, q = op(weights, dims, self.model.cfg.rms_norm_eps, self.model.scale,
                        self.block_size, caches, longs[:T], longs[T:T + R],
                        longs[T + R:T + 2 * R], tables, longs[T + 2 * R:], temps, seeds,
-                       offsets, top_k, top_p, STREAM_DRAFT, first_step)
-        return ([row[:n] for row, n in zip(tokens.tolist(), steps)],
-                list(q.split(steps)) if sampling is not None else None)
+                       offsets, top_k, top_p, STREAM_DRAFT, first_step, q_out, q_rows)
+        rows = [row[:n] for row, n in zip(tokens.tolist(), steps)]
+        if sampling is None:
+            return rows, None
+        if q_out is not None:
+            return rows, [q[f:f + n] for f, n in zip(into[1], steps)]
+        return rows, list(q.split(steps))
 
     def _find_draft_steps(self) -> None:
         """Whether draft_steps runs here (read once the KV cache exists, environment

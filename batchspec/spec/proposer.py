@@ -68,6 +68,26 @@ def draft_probs(logits: torch.Tensor, temperature: torch.Tensor, seqs: list[Sequ
     return softmax_probs(logits, temperature)
 
 
+def joined(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-D blocks one under the other, as torch.cat gives them, without a copy where
+    they already lie so in memory: a model draft's call gives its rows' q as consecutive
+    views of one tensor (ModelRunner.draft_steps), or of the step's buffer (Engine.propose),
+    so that verification reads them as they are. Copying them cost 1-2 us a drafted token (16
+    KiB each with the demo's vocabulary); blocks that lie apart are copied."""
+    first = blocks[0]
+    for last, b in zip(blocks, blocks[1:]):
+        if not (b.is_contiguous() and last.is_contiguous() and b.dtype == last.dtype and
+                b.shape[1:] == last.shape[1:] and
+                b.untyped_storage().data_ptr() == last.untyped_storage().data_ptr() and
+                b.storage_offset() == last.storage_offset() + last.numel()):
+            return torch.cat(blocks)
+    if len(blocks) == 1:
+        return first
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (sum(b.shape[0] for b in blocks), *first.shape[1:]),
+                                   first.stride())
+
+
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner, confidence_threshold: float):
         self.runner = runner
@@ -81,9 +101,13 @@ class DraftModelProposer:
     def finish(self, seq: Sequence, completed: bool) -> None:
         """seq left the engine (its KV blocks go with it)."""
 
-    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
+    def propose(self, rows: list[tuple[Sequence, int]],
+                into: tuple[torch.Tensor, list[int]] | None = None) -> list[Proposal]:
         """rows: (seq, max_drafts >= 1). Brings each row's draft KV up to date, then drafts
-        up to max_drafts tokens per row, all rows in one forward per draft step."""
+        up to max_drafts tokens per row, all rows in one forward per draft step. into:
+        (buffer [N, V] fp32, each row's first row in it): the sampled rows' q are written
+        there, a row's steps one after the other, and their proposals' probs are views of it
+        (Engine.propose lays a step's rows out in the order verification reads them)."""
         out = [Proposal([], None) for _ in rows]
         feed = [seq.token_ids[seq.spec.num_draft_computed:] for seq, _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]   # per row: q's blocks [n, V]
@@ -91,7 +115,7 @@ class DraftModelProposer:
         step = 0
         self.catch_up = (0.0, 0)
         while active:
-            if self._in_one_call(rows, active, feed, out, probs, step):
+            if self._in_one_call(rows, active, feed, out, probs, step, into):
                 break
             seqs = [rows[i][0] for i in active]
             t0 = time.perf_counter() if step == 0 else 0.0
@@ -126,7 +150,11 @@ class DraftModelProposer:
                     continue
                 out[i].token_ids.append(token_list[a])
                 if q is not None:
-                    probs[i].append(q[a:a + 1])
+                    if into is not None:    # (a row's q lands in the buffer as it is drawn)
+                        j = into[1][i] + len(out[i].token_ids) - 1
+                        probs[i].append(into[0][j:j + 1].copy_(q[a:a + 1]))
+                    else:
+                        probs[i].append(q[a:a + 1])
                 if len(out[i].token_ids) < rows[i][1]:
                     feed[i] = [token_list[a]]
                     still.append(i)
@@ -134,12 +162,14 @@ class DraftModelProposer:
             step += 1
         for i, p in enumerate(probs):
             if p and sum(len(b) for b in p) == len(out[i].token_ids):
-                # a row drafted in one call keeps the call's view of its q (no copy)
-                out[i].probs = p[0] if len(p) == 1 else torch.cat(p)
+                # a row drafted in one call keeps the call's view of its q, a row in a
+                # buffer its view of the buffer (no copy)
+                out[i].probs = joined(p)
         return out
 
     def _in_one_call(self, rows, active: list[int], feed: list[list[int]],
-                     out: list[Proposal], probs: list[list[torch.Tensor]], step: int) -> bool:
+                     out: list[Proposal], probs: list[list[torch.Tensor]], step: int,
+                     into: tuple[torch.Tensor, list[int]] | None = None) -> bool:
         """The active rows' remaining drafts from `step` on in one C++ call, where the
         draft's model has one (ModelRunner.draft_steps: the same tokens and q as the loop
         below); not for rows under a confidence rule, nor while a row's pending feed is long
@@ -158,7 +188,9 @@ class DraftModelProposer:
                         *row_filters(seqs, self.runner.cfg.vocab_size))
         got = self.runner.draft_steps(
             [feed[i] for i in active], [s.spec.num_draft_computed for s in seqs],
-            [s.block_table for s in seqs], more, step, sampling)
+            [s.block_table for s in seqs], more, step, sampling,
+            None if into is None else
+            (into[0], [into[1][i] + len(out[i].token_ids) for i in active]))
         if got is None:
             return False
         tokens, q = got
