@@ -274,9 +274,10 @@ class Engine:
         windows with the drafts' q (the rows' views of one draft's call, which
         _verify_metadata joins without a copy) at T = 1 against T = 0, and each model
         draft's k steps in one call drawing from q (softmax over the vocabulary, q kept per
-        row as propose keeps it) against its greedy steps. At 32 rows and T = 0.8 a fixed k = 4 spent 3.8 ms a step in its draft's calls
-        against 2.2 at T = 0, and 0.9 ms verifying against 0.13: about 19 us a drafted token
-        that the greedy forwards leave out (benchmarks/step_phases.py)."""
+        row as propose keeps it) against its greedy steps. At 32 rows and T = 0.8 a fixed
+        k = 4 spent 3.8 ms a step in its draft's calls against 2.2 at T = 0, and 0.9 ms
+        verifying against 0.13: about 19 us a drafted token that the greedy forwards leave
+        out (benchmarks/step_phases.py)."""
         dev, V = self.target.device, self.target.cfg.vocab_size
         logits = self.target.forward([[0] * (k + 1)] * b, [ctx] * b, tables[:b], [k + 1] * b,
                                      float_logits=False)    # (as a step's: its dtype)
@@ -532,7 +533,10 @@ class Engine:
         drafts one after the other), so that it takes the buffer as it is. Each draft's call
         (one per draft) used to give its own tensor, and a step of rows of two drafts (a
         job of two domains, each with its draft) copied them into one: 4 MiB a step at 64
-        rows and k = 4, 0.3 ms of an 18 ms step. None where no model draft samples."""
+        rows and k = 4, 0.3 ms of an 18 ms step. None where no model draft samples, and
+        off the CPU (where the drafts' C++ calls run; elsewhere q is gathered as before)."""
+        if self.target.device.type != "cpu":
+            return None
         slots, n = {}, 0
         for s in sampling:
             if s.max_drafts > 0 and self.is_model[s.source] and s.seq.params.temperature > 0:
