@@ -41,13 +41,13 @@ inline bool softmax_row(const float* row, int V, float inv_t, float* q, float* b
   return false;
 }
 
-// The sums of q [V] over blocks of 8 tokens, each in a fixed order (a vector's lanes summed
-// pairwise), the last block's missing tokens 0.
+// The sums of q [V] over blocks of 8 tokens, each in a fixed order (sum8_pairwise), the last
+// block's missing tokens 0.
 inline void block_sums(const float* q, int V, float* blocks) {
   for (int b = 0; b < (V + 7) / 8; ++b) {
     float x[8] = {};
     for (int j = 0; j < 8 && 8 * b + j < V; ++j) x[j] = q[8 * b + j];
-    blocks[b] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+    blocks[b] = sum8_pairwise(x);
   }
 }
 

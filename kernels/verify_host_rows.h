@@ -36,6 +36,13 @@ inline std::atomic<bool>& host_paths_on() {   // (atomic: ops may run on several
   return on;
 }
 
+// A block of 8 tokens' sum as the draw takes it (draft_draw.h's block_sums): lanes summed
+// pairwise, ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), the order reduce_add8 sums a
+// vector's lanes in.
+inline float sum8_pairwise(const float* x) {
+  return ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+}
+
 #if defined(BS_HAVE_AVX512_PATH)
 // whether a vectorised pass takes a row of T, V wide: fp32 and bf16 rows of a vector or more
 // (`width` lanes), where the CPU has the instructions (`cpu`) and the host paths are on
@@ -182,8 +189,11 @@ BS_ROW_AVX512 void residual_avx512(const T* row, int V, float inv_t, float thres
 template <typename T>
 inline bool avx2_row(int V) { return vec_row_on<T>(V, 8, avx2_usable()); }
 
+// The row's max, min and sum of exp(z - max) over z > -inf; with `e`, each token's exp(z - max)
+// (0 at -inf) written there as it is summed (softmax_avx2).
 template <typename T>
-BS_ROW_AVX2 bool row_lse_avx2(const T* row, int V, float inv_t, float& m, float& zmin, float& s) {
+BS_ROW_AVX2 bool row_lse_avx2(const T* row, int V, float inv_t, float& m, float& zmin, float& s,
+                              float* e = nullptr) {
   const int whole = V / 8 * 8;
   const __m256 it = _mm256_set1_ps(inv_t), pinf = _mm256_set1_ps(INFINITY);
   __m256 vmax = _mm256_set1_ps(-INFINITY), vmin = pinf, bad = _mm256_setzero_ps();
@@ -207,15 +217,27 @@ BS_ROW_AVX2 bool row_lse_avx2(const T* row, int V, float inv_t, float& m, float&
   if (m == -INFINITY) return true;
   const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
   __m256 acc = _mm256_setzero_ps();
-  for (int i = 0; i < whole; i += 8) {
-    const __m256 z = _mm256_mul_ps(load8(row + i), it);
-    const __m256 live = _mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ);
-    acc = _mm256_add_ps(acc, _mm256_and_ps(live, exp8(_mm256_sub_ps(z, vm))));
+  if (e) {   // (two loops: a test in the loop cost the softmax 5-8%)
+    for (int i = 0; i < whole; i += 8) {
+      const __m256 z = _mm256_mul_ps(load8(row + i), it);
+      const __m256 x = _mm256_and_ps(_mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ),
+                                     exp8(_mm256_sub_ps(z, vm)));
+      _mm256_storeu_ps(e + i, x);
+      acc = _mm256_add_ps(acc, x);
+    }
+  } else {
+    for (int i = 0; i < whole; i += 8) {
+      const __m256 z = _mm256_mul_ps(load8(row + i), it);
+      const __m256 live = _mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ);
+      acc = _mm256_add_ps(acc, _mm256_and_ps(live, exp8(_mm256_sub_ps(z, vm))));
+    }
   }
   s = reduce_add8(acc);
   for (int i = whole; i < V; ++i) {
     const float z = to_float(row[i]) * inv_t;
-    if (z != -INFINITY) s += exp_nonpositive(z - m);
+    const float x = z != -INFINITY ? exp_nonpositive(z - m) : 0.f;
+    if (e) e[i] = x;
+    if (z != -INFINITY) s += x;
   }
   return true;
 }
@@ -285,46 +307,15 @@ BS_ROW_AVX2 int argmax_avx2(const T* row, int V) {
 }
 
 // q = softmax(x * inv_t) of an fp32 row (tokens at -inf get 0): the max, then exp(z - max)
-// into q with their sum (the sum row_lse_avx2 takes: the same lanes, in the same order), then
-// q / sum; false (q untouched) for a NaN or +inf, or a row all -inf: the caller's loop gives
-// what torch gives. With `blocks`, also each block of 8 tokens' sum of q, as draw_row sums it
-// ((q0 + q4) + (q2 + q6)) + ((q1 + q5) + (q3 + q7)), the last block's missing tokens 0: the
-// draw then reads q once more only within the block it lands in (draft_draw.h).
+// into q with their sum (row_lse_avx2), then q / sum; false (q untouched) for a NaN or +inf,
+// or a row all -inf: the caller's loop gives what torch gives. With `blocks`, also each block
+// of 8 tokens' sum of q as the draw takes it (sum8_pairwise, the last block's missing tokens
+// 0): the draw then reads q once more only within the block it lands in (draft_draw.h).
 BS_ROW_AVX2 inline bool softmax_avx2(const float* row, int V, float inv_t, float* q,
                                      float* blocks = nullptr) {
   const int whole = V / 8 * 8;
-  const __m256 it = _mm256_set1_ps(inv_t), pinf = _mm256_set1_ps(INFINITY),
-               ninf = _mm256_set1_ps(-INFINITY);
-  __m256 vmax = ninf, bad = _mm256_setzero_ps();
-  for (int i = 0; i < whole; i += 8) {
-    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(row + i), it);
-    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(z, z, _CMP_UNORD_Q),
-                                         _mm256_cmp_ps(z, pinf, _CMP_EQ_OQ)));
-    vmax = _mm256_max_ps(vmax, z);
-  }
-  if (_mm256_movemask_ps(bad)) return false;
-  float m = reduce_max8(vmax);
-  for (int i = whole; i < V; ++i) {
-    const float z = row[i] * inv_t;
-    if (z != z || z == INFINITY) return false;
-    m = z > m ? z : m;
-  }
-  if (m == -INFINITY) return false;
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
-  for (int i = 0; i < whole; i += 8) {
-    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(row + i), it);
-    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(z, ninf, _CMP_NEQ_OQ),
-                                   exp8(_mm256_sub_ps(z, vm)));
-    _mm256_storeu_ps(q + i, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  float s = reduce_add8(acc);
-  for (int i = whole; i < V; ++i) {
-    const float z = row[i] * inv_t;
-    q[i] = z != -INFINITY ? exp_nonpositive(z - m) : 0.f;
-    if (z != -INFINITY) s += q[i];
-  }
+  float m, zmin, s;
+  if (!row_lse_avx2(row, V, inv_t, m, zmin, s, q) || m == -INFINITY) return false;
   const __m256 vs = _mm256_set1_ps(s);
   for (int i = 0; i < whole; i += 8) {
     const __m256 x = _mm256_div_ps(_mm256_loadu_ps(q + i), vs);
@@ -335,7 +326,7 @@ BS_ROW_AVX2 inline bool softmax_avx2(const float* row, int V, float inv_t, float
   if (blocks && whole < V) {
     float x[8] = {};
     for (int j = 0; whole + j < V; ++j) x[j] = q[whole + j];
-    blocks[whole / 8] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+    blocks[whole / 8] = sum8_pairwise(x);
   }
   return true;
 }
