@@ -285,7 +285,7 @@ def test_redis_unreachable_is_one_line_and_writes_nothing(command, tmp_path, tin
 
 def test_a_connection_reset_by_the_redis_port_is_said_in_one_line(tmp_path):
     """A port that accepts and resets each connection (a firewall or proxy in front of
-    Redis, or a Redis going down mid-reply): said as 'connection reset', not with redis-py's
+    Redis, or a Redis going down mid-reply): said as 'connection lost', not with redis-py's
     'Error while reading from HOST:PORT : (104, ...)'."""
     import struct
     import threading
@@ -311,7 +311,7 @@ def test_a_connection_reset_by_the_redis_port_is_said_in_one_line(tmp_path):
         listener.close()
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"Error: cannot reach Redis at {url} (connection reset): start redis-server, or pass "
+        f"Error: cannot reach Redis at {url} (connection lost): start redis-server, or pass "
         f"--broker / set BATCHSPEC_REDIS_URL"], proc.stderr
 
 

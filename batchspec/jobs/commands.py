@@ -171,13 +171,15 @@ def check_problems(job_id: str, write: Callable[[str], None] | None = None
 
 
 def _reason(e: Exception) -> str:
-    """Why Redis could not be reached, short: a connection refused, or one reset or closed
-    while a reply was awaited (the path cut mid-request), rather than redis-py's wording."""
+    """Why Redis could not be reached, short: a connection refused, or one lost (reset or
+    closed by the other end, or a broken pipe: the path cut mid-request), rather than
+    redis-py's wording ("Error while reading from HOST:PORT : (104, 'Connection reset by
+    peer')")."""
     text = str(e).lower()
     if "refused" in text:
         return "connection refused"
     if "reset by peer" in text or "closed by server" in text or "broken pipe" in text:
-        return "connection reset"
+        return "connection lost"
     return str(e).strip().rstrip(".")
 
 
