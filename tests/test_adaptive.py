@@ -710,12 +710,12 @@ def test_a_try_that_ends_as_the_mix_changes_hands_no_lead_over():
     sampled = rows_with(policy, 4, "d", 0.9)
     for seq in sampled:
         seq.params = SamplingParams(temperature=0.8)
-    policy._use_mix(policy.mix_of(greedy))
+    policy._use_mix(policy.mix_of(greedy), len(greedy))   # (the band the steps below run in)
     set_slowdowns(policy, 3.5, 1.0)        # T = 0: speculation leads, plain 1.17x behind
     policy._winner = True
-    policy._use_mix(policy.mix_of(sampled))
+    policy._use_mix(policy.mix_of(sampled), len(sampled))
     policy._fresh = True                   # a try at T = 0.8 has just measured its steps
-    policy._use_mix(policy.mix_of(greedy))
+    policy._use_mix(policy.mix_of(greedy), len(greedy))
     set_slowdowns(policy, 4.5, 1.0)        # older measurements: plain now looks ahead
     for _ in range(EXPLORE - 1):
         policy.choose_lengths([(s, "d", 4, True) for s in greedy], 0)
@@ -854,6 +854,51 @@ def test_only_a_side_far_behind_is_held_off_as_far():
         policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
         assert policy._winner is winner
         assert policy._far is winner           # plain far behind speculation's lead only
+
+
+def test_a_try_of_plain_close_behind_a_lead_of_speculation_is_not_held_to_the_budget():
+    """While speculation leads, a try of plain that is close behind (within TRY_MARGIN) runs
+    at the try interval even with the tries' budget spent: tries of speculation at 32 rows
+    and T = 0.8 spent it, and a lead that speculation took there (0.94-0.96x plain) held for
+    whole jobs with no try of plain to end it. A plain far behind is still held back."""
+    from batchspec.spec.policy import MAX_EXPLORE
+
+    def tried(spec, plain):
+        policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+        seqs = rows_with(policy, 4, "d", 0.9)
+        set_slowdowns(policy, spec, plain)
+        policy._winner, policy._speculated = True, True
+        policy._interval = policy._since = MAX_EXPLORE
+        policy._explore_s = 1.0                # no budget left for a try
+        policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+        assert policy._winner is True
+        return policy._trying
+    assert tried(4.0, 1.0)          # speculation's corrected rate 1.02x plain's: close
+    assert not tried(3.5, 1.0)      # 1.17x: plain far behind (below TRY_MARGIN)
+    assert not tried(1.0, 1.0)      # 4x
+
+
+def test_a_band_first_seen_starts_from_what_the_band_it_comes_from_measured():
+    """The last rows of a job enter a smaller band of batch sizes: under the same mix its
+    measurements start as copies of the band left (its own steps replace them), so its
+    first lead is weighed on them, not on the start-up costs alone, and its first try needs
+    not draft for every row where the band left had such a try; under another mix, or in a
+    band seen before, its own state."""
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 32, "d", 0.9)
+    mix = policy.mix_of(seqs)
+    policy._use_mix(mix, 32)
+    set_slowdowns(policy, 4.5, 1.0, rows=32)     # speculation measured behind plain
+    policy._winner, policy._tried_in_full = False, True
+    policy._use_mix(mix, 4)
+    assert policy._winner is None and policy.observed == {} and policy._tried_in_full
+    assert policy.measured == {True: policy._mixes[(mix, 5)][0][True],
+                               False: policy._mixes[(mix, 5)][0][False]}
+    assert policy.measured[True] is not policy._mixes[(mix, 5)][0][True]   # (a copy)
+    assert not any(policy.choose_lengths([(s, "d", 4, True) for s in seqs[:4]], 0))
+    assert policy._winner is False        # the start-up costs alone gave it to speculation
+    policy._use_mix((0.8,), 2)
+    assert policy.measured == {} and not policy._tried_in_full   # another mix: nothing
 
 
 def routed_row(policy, p_model, p_lookup):

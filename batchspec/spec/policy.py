@@ -54,7 +54,10 @@ TRY_MIN_S, MAX_TRY_STEPS = 0.03, 12
 # Tries are also held to a budget: what they cost beyond the leading side's measured time
 # for the same tokens, summed, stays within this share of all measured steps' time (a try's
 # first step, with the drafts' catch-up, included). At 32 rows and T = 0.8 a try of
-# speculation cost about 4.5 plain steps, and tries every 80 steps cost 5% of a run.
+# speculation cost about 4.5 plain steps, and tries every 80 steps cost 5% of a run. A try
+# of plain close behind a lead of speculation (within TRY_MARGIN) is not held to it: such a
+# try costs little or gains, and is what ends a wrong lead. With the budget spent by tries of
+# speculation, leads it took at 32 rows and T = 0.8 (0.94-0.96x plain) held for whole jobs.
 EXPLORE_BUDGET = 0.01
 # While plain leads, a try of speculation drafts only for rows whose drafts are least behind,
 # up to this many catch-up tokens per batch row in all (see SpecPolicy._behind), except the
@@ -697,7 +700,7 @@ class SpecPolicy:
             speculate = not self._winner
             self._try_left -= 1
         elif spec_n and (ahead or self._since >= (self._interval if close else FAR_EXPLORE)) \
-                and self._may_explore():
+                and (self._may_explore() or self._winner and close):
             speculate = not speculate
             self._since = 0
             self._interval = min(2 * self._interval, MAX_EXPLORE)
@@ -836,8 +839,8 @@ class SpecPolicy:
                 return False
         self._since += 1
         self._speculated, self._trying = False, tried
-        self._chosen = (False, num_rows, max(self.costs.at(mean_context(seqs)).target_tokens_s(
-            num_rows, num_rows), 1e-12), tried)
+        self._chosen = (False, num_rows, max(self.costs.at(mean_context(seqs)).target_s(
+            num_rows, 1), 1e-12), tried)
         return True
 
     def _plan(self, rows: list[tuple[Sequence, str, int, bool]], probs: list[list[float]],
@@ -976,9 +979,21 @@ class SpecPolicy:
                 self._far, self._draft_timed, self._tried_in_full)
             while len(self._mixes) > MAX_MIXES:          # the least recently left first
                 del self._mixes[next(iter(self._mixes))]
+            state = self._mixes.pop((mix, band), None)
+            if state is None:
+                # A band not seen before under this mix starts from what the band it comes
+                # from measured (its own first steps of each side replace that: observed is
+                # empty), not from the start-up costs alone: at 64 rows and T = 0.8 a job's
+                # last 45 rows entered a band whose first lead the start-up costs gave to
+                # speculation, whose plain side was never measured, and no try of plain came
+                # in the few steps of each job's end (such an end lost about 1% of a job).
+                # Its first try then needs not draft for every row (_behind) if the band it
+                # comes from had one that did.
+                same = mix == self._mix
+                seed = {side: list(m) for side, m in self.measured.items()} if same else {}
+                state = (seed, {}, None, EXPLORE, 0, False, {}, same and self._tried_in_full)
             self.measured, self.observed, self._winner, self._interval, self._since, \
-                self._far, self._draft_timed, self._tried_in_full = self._mixes.pop(
-                    (mix, band), ({}, {}, None, EXPLORE, 0, False, {}, False))
+                self._far, self._draft_timed, self._tried_in_full = state
             # a try of the mix left, ended or not, says nothing of this one's lead
             self._try_left, self._fresh, self._trying = 0, False, False
             self._far_gap = EXPLORE
