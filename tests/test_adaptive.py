@@ -897,6 +897,9 @@ def test_a_band_first_seen_starts_from_what_the_band_it_comes_from_measured():
     assert policy.measured[True] is not policy._mixes[(mix, 5)][0][True]   # (a copy)
     assert not any(policy.choose_lengths([(s, "d", 4, True) for s in seqs[:4]], 0))
     assert policy._winner is False        # the start-up costs alone gave it to speculation
+    seconds = 10 * policy._chosen[2]      # its first plain step, 10x the seed's pace: as is
+    policy.observe(seconds, 4)
+    assert policy.measured[False][3] == pytest.approx(seconds)
     policy._use_mix((0.8,), 2)
     assert policy.measured == {} and not policy._tried_in_full   # another mix: nothing
 

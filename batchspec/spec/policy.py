@@ -974,7 +974,8 @@ class SpecPolicy:
         the end of a job of 32 rows (the last rows finishing, 1 to 6 at a time) left
         speculation's measured slowdown at 1.4-1.5 where full batches measure 1.1-1.2; the
         next job could start with it, find speculation far behind plain and run plain for
-        80 steps of its 250 (benchmarks/policy_trace.py)."""
+        80 steps of its 250 (benchmarks/policy_trace.py). A band first seen under the mix the
+        engine was in starts from copies of that band's measurements (below)."""
         band = batch_band(num_rows)
         if mix == self._mix and band == self._band:
             return
@@ -1183,8 +1184,9 @@ class SpecPolicy:
             self._try_s += seconds
             w = 1 / self._try_measured
         else:
-            usual = m[3] / m[1] * pred_s       # this step's time at the side's usual ratio
-            seconds = min(max(seconds, usual / 2), usual * 2)
+            if n > 1:    # (a side's first step replaces what a band's seed holds, as it is)
+                usual = m[3] / m[1] * pred_s       # this step's time at the side's usual ratio
+                seconds = min(max(seconds, usual / 2), usual * 2)
             w = max(weight, 1 / n)
         for i, v in enumerate((pred_tokens, pred_s, tokens, seconds)):
             m[i] += w * (v - m[i])
