@@ -878,6 +878,22 @@ def test_a_try_of_plain_close_behind_a_lead_of_speculation_is_not_held_to_the_bu
     assert not tried(1.0, 1.0)      # 4x
 
 
+def test_a_try_of_a_side_judged_ahead_is_not_held_to_the_budget():
+    """Plain leads and a weighing finds speculation ahead of it: speculation is tried at once,
+    whatever the tries' budget. A templated job's first tries of suffix drafts, over rows
+    that found little to draft, spent the budget, and the try that would have handed
+    speculation the lead once the job-wide trie had filled waited: `suffix-adaptive` made
+    1.10x plain where it makes 1.6-1.7x."""
+    from batchspec.spec.policy import MAX_EXPLORE
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, 1.0, 1.0)          # speculation's plan 4x plain's
+    policy._winner, policy._since = False, MAX_EXPLORE - 1     # (a weighing is due)
+    policy._explore_s = 1.0                  # no budget left for a try
+    lengths = policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0)
+    assert policy._winner is False and policy._trying and any(lengths)
+
+
 def test_a_band_first_seen_starts_from_what_the_band_it_comes_from_measured():
     """The last rows of a job enter a smaller band of batch sizes: under the same mix its
     measurements start as copies of the band left (its own steps replace them), so its

@@ -58,6 +58,10 @@ TRY_MIN_S, MAX_TRY_STEPS = 0.03, 12
 # of plain close behind a lead of speculation (within TRY_MARGIN) is not held to it: such a
 # try costs little or gains, and is what ends a wrong lead. With the budget spent by tries of
 # speculation, leads it took at 32 rows and T = 0.8 (0.94-0.96x plain) held for whole jobs.
+# Nor is a try of a side that the weighing judges ahead of the leader (`ahead`: it is tried
+# at once): with the budget spent by tries of suffix drafts over a templated job's first rows,
+# which found little to draft, the try that would hand speculation the lead once the job-wide
+# trie had filled waited, and `suffix-adaptive` made 1.10x plain where it makes 1.6x.
 # Half a percent, not 1%: beside a plain engine at 64 rows and T = 0.8, where speculation
 # loses, tries of speculation cost 0.6-1.7% of a run with 1% (benchmarks/policy_losses.py),
 # and the policy made 0.969x plain against 0.939x (benchmarks/policy_ab.py, medians of five
@@ -705,7 +709,7 @@ class SpecPolicy:
             speculate = not self._winner
             self._try_left -= 1
         elif spec_n and (ahead or self._since >= (self._interval if close else FAR_EXPLORE)) \
-                and (self._may_explore() or self._winner and close):
+                and (self._may_explore() or ahead or self._winner and close):
             speculate = not speculate
             self._since = 0
             self._interval = min(2 * self._interval, MAX_EXPLORE)
