@@ -906,6 +906,7 @@ def test_a_band_first_seen_starts_from_what_the_band_it_comes_from_measured():
     policy._use_mix(mix, 32)
     set_slowdowns(policy, 4.5, 1.0, rows=32)     # speculation measured behind plain
     policy._winner, policy._tried_in_full = False, True
+    full_batches = {side: list(m) for side, m in policy.measured.items()}
     policy._use_mix(mix, 4)
     assert policy._winner is None and policy.observed == {} and policy._tried_in_full
     assert policy.measured == {True: policy._mixes[(mix, 5)][0][True],
@@ -918,6 +919,8 @@ def test_a_band_first_seen_starts_from_what_the_band_it_comes_from_measured():
     assert policy.measured[False][3] == pytest.approx(seconds)
     policy._use_mix((0.8,), 2)
     assert policy.measured == {} and not policy._tried_in_full   # another mix: nothing
+    policy._use_mix(mix, 32)              # a band seen before: its own state again
+    assert policy.measured == full_batches and policy._winner is False
 
 
 def routed_row(policy, p_model, p_lookup):
