@@ -30,13 +30,13 @@ from batchspec.config import default_dtype  # noqa: E402
 from batchspec.demo import demo_models  # noqa: E402
 from batchspec.spec import policy as policy_module  # noqa: E402
 from batchspec.tools import hfref  # noqa: E402
-from batchspec.tools.bench import _start_afresh, make_llm  # noqa: E402
+from batchspec.tools.bench import ADAPTIVE_METHODS, _start_afresh, make_llm  # noqa: E402
 from batchspec.tools.evaluate import load_prompts  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--method", default="suffix-adaptive")
+    ap.add_argument("--method", default="suffix-adaptive", choices=ADAPTIVE_METHODS)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -46,9 +46,6 @@ def main():
     ap.add_argument("--tries", action="store_true",
                     help="list the measured steps of the last job's tries of speculation")
     a = ap.parse_args()
-    if not a.method.endswith(("-adaptive", "-routed")):
-        ap.error(f"{a.method} has no adaptive policy: give a method ending in -adaptive or "
-                 "-routed")
     torch.set_num_threads(a.threads)
     models = demo_models()
     prompts = load_prompts(None, None, a.num_prompts, split="heldout")

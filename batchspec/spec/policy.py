@@ -61,7 +61,7 @@ TRY_MIN_S, MAX_TRY_STEPS = 0.03, 12
 # Nor is a try of a side that the weighing judges ahead of the leader (`ahead`: it is tried
 # at once): with the budget spent by tries of suffix drafts over a templated job's first rows,
 # which found little to draft, the try that would hand speculation the lead once the job-wide
-# trie had filled waited, and `suffix-adaptive` made 1.10x plain where it makes 1.6x.
+# trie had filled waited, and `suffix-adaptive` made 1.10x plain where it makes 1.6-1.7x.
 # Half a percent, not 1%: beside a plain engine at 64 rows and T = 0.8, where speculation
 # loses, tries of speculation cost 0.6-1.7% of a run with 1% (benchmarks/policy_losses.py),
 # and the policy made 0.969x plain against 0.939x (benchmarks/policy_ab.py, medians of five

@@ -46,6 +46,8 @@ from batchspec.tools.evaluate import Finite, check_writable, load_prompts
 METHODS = ("hf", "hf-assisted", "plain", "spec", "spec-domain", "spec-adaptive",
            "spec-routed", "ngram", "suffix", "suffix-adaptive")
 LOOKUP_METHODS = {"ngram": "ngram", "suffix": "suffix", "suffix-adaptive": "suffix"}
+# the methods whose engine sets each row's draft length per step (adaptive_k: the policy)
+ADAPTIVE_METHODS = tuple(m for m in METHODS if m.endswith(("-adaptive", "-routed")))
 
 
 def templated_prompts(num: int) -> list[dict]:
@@ -236,7 +238,7 @@ def make_llm(method, models, batch_size, k, seed, threshold, threads, dtype, **e
     return LLM(models["target"], drafts=drafts, num_speculative_tokens=k, device="cpu",
                dtype=dtype, seed=seed, max_num_seqs=batch_size, min_acceptance=0.0,
                confidence_threshold=threshold, num_threads=threads,
-               adaptive_k=method.endswith(("-adaptive", "-routed")), **engine)
+               adaptive_k=method in ADAPTIVE_METHODS, **engine)
 
 
 def draft_cost(llm, temperature: float) -> float:
