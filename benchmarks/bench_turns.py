@@ -18,6 +18,14 @@ done stepping): the first method's steps in alternating blocks of 8, back to bac
 right after one step of each other method (two or more), their medians printed.
 
     python benchmarks/bench_turns.py --interleave --methods plain,suffix,spec-domain,spec-adaptive --temperature 0
+
+With --predecessors, the methods (two or more) take turns as the bench runs them, and each
+method's steps over a full batch are put apart by what stepped before them: the first step of
+its slice by the method whose slice came before, the others as "own slice" (an adaptive
+method's plain steps only: what its plain steps cost after each engine, beside plain's); medians
+and counts over --repeats rounds.
+
+    python benchmarks/bench_turns.py --predecessors --methods plain,spec-domain,spec-adaptive --repeats 4
 """
 from __future__ import annotations
 
@@ -63,6 +71,9 @@ def main():
     ap.add_argument("--interleave", action="store_true",
                     help="the first method's step back to back against right after the "
                     "others' (--methods: two or more)")
+    ap.add_argument("--predecessors", action="store_true",
+                    help="each method's steps by the method that stepped before them, in "
+                    "the bench's turns (--methods: two or more)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     models = demo_models()
@@ -73,9 +84,11 @@ def main():
               max_tokens=args.max_tokens)
     dtype = default_dtype(models["target"], "cpu")
     methods = args.methods.split(",")
-    if not (len(methods) == 2 or args.interleave and len(methods) > 2) or \
+    many = args.interleave or args.predecessors
+    if not (len(methods) == 2 or many and len(methods) > 2) or \
             not set(methods) <= set(METHODS) - {"hf", "hf-assisted"}:
-        ap.error(f"--methods: two (--interleave: two or more) of {', '.join(METHODS[2:])}")
+        ap.error(f"--methods: two (--interleave, --predecessors: two or more) of "
+                 f"{', '.join(METHODS[2:])}")
     llms = {name: make_llm(m, models, args.batch_size, 4, 0, 0.0, 1, dtype)
             for name, m in zip("abcdefghij", methods)}
     for llm in llms.values():
@@ -83,6 +96,8 @@ def main():
     freeze_heap()
     if args.interleave:
         return interleave(llms, methods, ids, kw, args)
+    if args.predecessors:
+        return predecessors(llms, methods, ids, kw, args)
     print(f"{methods[1]} over {methods[0]}, B={args.batch_size} T={args.temperature}, "
           f"{len(ids)} prompts, {args.repeats} rounds")
     for turns in ("runs", "steps") if args.turns == "both" else (args.turns,):
@@ -132,6 +147,39 @@ def interleave(llms, methods, ids, kw, args, blocks=60):
           f"{'+'.join(methods[1:])}: back to back {alone:.2f} ms, after the others "
           f"{after:.2f} ms (x{after / alone:.2f}); medians of {len(times['back to back'])} "
           "steps each")
+
+
+def predecessors(llms, methods, ids, kw, args):
+    """Each engine's full-batch steps in the bench's turns, by the engine that stepped
+    before (the first step of a slice) or in its own slice; an adaptive engine's plain
+    steps only."""
+    label = dict(zip(llms, methods))
+    last, before = [None], {}
+    for name, llm in llms.items():
+        def step(inner=llm.step, name=name, engine=llm.engine):
+            rows = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+            before[name] = (last[0] if last[0] != name else "own slice", rows)
+            last[0] = name
+            return inner()
+        llm.step = step
+    times: dict[tuple[str, str], list[float]] = {}
+
+    def on_step(turn, name, seconds, tokens):
+        after, rows = before[name]
+        policy = llms[name].engine.policy
+        if after is None or rows < args.batch_size or \
+                policy.costs is not None and policy._speculated:
+            return
+        times.setdefault((name, label.get(after, after)), []).append(seconds)
+    for _ in range(args.repeats):
+        run_engines_in_turns(llms, ids, **kw, slice_s=args.slice_ms / 1000, on_step=on_step)
+    print(f"B={args.batch_size} T={args.temperature}, {args.repeats} rounds: each method's "
+          "full-batch steps (adaptive: plain steps), median ms (steps) by what stepped before")
+    for name in llms:
+        parts = sorted((after, statistics.median(v) * 1e3, len(v))
+                       for (n, after), v in times.items() if n == name)
+        print(f"{label[name]:>15}: " + ", ".join(f"after {after} {ms:.2f} ({count})"
+                                                  for after, ms, count in parts))
 
 
 def _side(llm):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import polars as pl
 import pytest
@@ -226,12 +227,12 @@ def test_bench_pairs_each_rounds_runs_for_its_ratios():
 
 
 def test_bench_engines_take_turns_in_slices_to_the_last_job(tiny_llama, tiny_draft):
-    """--turns steps: the engines of a round take turns, the first of each turn rotating, each
+    """--turns steps: the engines of a round take turns in balanced_turns' orders, each
     charged its own steps' time; an engine whose job is done keeps stepping, untimed, until
     the last is done; a slice runs an engine's steps back to back. Outputs and counts are
     those of whole runs."""
     pytest.importorskip("batchspec.spec.verify")
-    from batchspec.tools.bench import make_llm, run_engine, run_engines_in_turns
+    from batchspec.tools.bench import balanced_turns, make_llm, run_engine, run_engines_in_turns
     models = {"target": tiny_llama, "draft": tiny_llama, "draft-code": tiny_draft,
               "draft-docs": tiny_llama}   # rows without a domain: a perfect draft
     llms = {m: make_llm(m, models, 2, 3, 0, 0.0, 1, "float32")
@@ -260,8 +261,8 @@ def test_bench_engines_take_turns_in_slices_to_the_last_job(tiny_llama, tiny_dra
         assert 0 < turns[m]["wall_s"]
         assert not llms[m].engine.has_unfinished()      # the untimed steps are cleaned up
     names = list(llms)
-    rotation = [names[(t + i) % 3] for t in range(len(order)) for i in range(3)]
-    assert order == rotation[:len(order)]      # every engine steps in every turn, to the end
+    cycle = [names[i] for turn in balanced_turns(3) for i in turn]
+    assert order == (cycle * len(order))[:len(order)]   # every engine in every turn, to the end
     assert timed.count("plain") > timed.count("spec-domain")  # spec finishes in fewer steps
     assert made["spec-domain"] > 4 * 6             # then makes tokens, untimed
     assert order.count("plain") == timed.count("plain")              # plain finished last
@@ -270,6 +271,23 @@ def test_bench_engines_take_turns_in_slices_to_the_last_job(tiny_llama, tiny_dra
     run_engines_in_turns(llms, prompts, **kw, slice_s=60.0,
                          on_step=lambda turn, m, s, n: timed.append(m))
     assert order == timed == sorted(timed, key=names.index)   # each job in one slice
+
+
+def test_turn_orders_follow_each_engine_by_each_other_equally():
+    """balanced_turns: every turn runs each engine once, and over a cycle of turns (taken
+    again and again) each engine's slice comes right after each other engine's exactly once,
+    the last turn's end handing to the first turn's start included."""
+    from batchspec.tools.bench import balanced_turns
+    for n in range(1, 8):
+        turns = balanced_turns(n)
+        assert all(sorted(turn) == list(range(n)) for turn in turns)
+        seq = [e for turn in turns for e in turn]
+        pairs = Counter(zip(seq, seq[1:] + seq[:1]))
+        if n == 1:
+            assert pairs == {(0, 0): 1}
+            continue
+        assert len(turns) == n - 1
+        assert pairs == {(a, b): 1 for a in range(n) for b in range(n) if a != b}
 
 
 def test_replayed_alpha_equals_the_engines_at_greedy(prompts_parquet):

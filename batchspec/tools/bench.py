@@ -28,6 +28,7 @@ draft_vocab.json's tokens for rows at T = 0 and every token above, as a job's do
 chooses per row: config.draft_vocab_for; rows of spec methods say which in `draft_vocab`)."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -129,7 +130,8 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
     """One run of each engine method ({method: LLM}) over the same prompts (temperature: one
     for all, or a list the rows take in turn), the engines
     taking turns: each takes steps for slice_s seconds (at least one step; slice_s=0: one
-    step), then the next, the first of each turn rotating. A method's time is the sum of its
+    step), then the next, in the turns' orders of balanced_turns (each engine's slice comes
+    right after each other engine's equally often). A method's time is the sum of its
     own steps' times, so a stretch in which a shared machine runs slower (seconds long, up to
     3x on a 2-core VM) lands on every method alike, where whole runs in turns leave it to
     whichever method ran then. An engine whose job is done keeps stepping, untimed, over the
@@ -144,11 +146,12 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
     for method, llm in llms.items():
         _start_afresh(llm, fresh_prompts)
         seqs[method] = llm.add_requests(prompt_ids, params, domains[:len(prompt_ids)])
-    results, order, turn = {}, list(llms), 0
+    names = list(llms)
+    orders = [[names[i] for i in turn] for turn in balanced_turns(len(names))]
+    results, turn = {}, 0
     try:
         while len(results) < len(llms):
-            first = turn % len(order)
-            for method in order[first:] + order[:first]:
+            for method in orders[turn % len(orders)]:
                 llm, timed = llms[method], method not in results
                 t_end = time.perf_counter() + slice_s
                 while True:
@@ -174,6 +177,50 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
             if llm.engine.has_unfinished():
                 llm.engine.abort_all()
     return results
+
+
+def balanced_turns(n: int) -> list[tuple[int, ...]]:
+    """Orders of n engines for successive turns (run_engines_in_turns takes them in a cycle)
+    in which each engine's slice follows each other engine's exactly once a cycle, across the
+    turns' boundaries too: n - 1 turns, each an order of all n, whose n(n - 1) successions
+    are every ordered pair of two engines. An engine's first step of a slice runs slower than
+    its next ones (its weights and cache evicted), and by how much depends on the engine
+    before it: at 32 rows and T = 0.8, `spec-adaptive`'s plain steps took 5.32 ms (median)
+    right after `spec-domain`'s slice, 4.90 ms after plain's and 3.57 ms within its own
+    slice; plain's 5.15 ms after `spec-domain`'s, 4.97 ms after `spec-adaptive`'s and 3.52
+    ms within its own (benchmarks/bench_turns.py --predecessors). With the first of each turn
+    rotating (plain, spec-domain, spec-adaptive; then spec-domain, spec-adaptive, plain;
+    ...), three engines followed one order twice as often as the other: `spec-adaptive` came
+    after `spec-domain` in two slices of three, plain in one. The orders are found by a depth-first search (at
+    once for the handful of methods a bench runs; a cycle exists for every n tried, 2-8)."""
+    if n <= 2:
+        return [tuple(range(n))]
+    perms = list(itertools.permutations(range(n)))
+    used: set[tuple[int, int]] = set()
+    turns: list[tuple[int, ...]] = []
+
+    def extend() -> bool:
+        if len(turns) == n - 1:   # the cycle closes: the last engine hands to the first
+            return (turns[-1][-1], turns[0][0]) not in used
+        for perm in perms:
+            if not turns and perm[0]:
+                continue
+            pairs = list(zip(perm, perm[1:]))
+            if turns:
+                pairs.append((turns[-1][-1], perm[0]))
+            if len(set(pairs)) < len(pairs) or any(a == b or (a, b) in used
+                                                   for a, b in pairs):
+                continue
+            used.update(pairs)
+            turns.append(perm)
+            if extend():
+                return True
+            turns.pop()
+            used.difference_update(pairs)
+        return False
+    if not extend():     # (not met for any n tried; the rotation then, as the bench had)
+        return [tuple(range(t, n)) + tuple(range(t)) for t in range(n)]
+    return turns
 
 
 def _params(temperature, top_p, max_tokens, num_rows=None):
