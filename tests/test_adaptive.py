@@ -722,14 +722,13 @@ def test_a_try_that_ends_as_the_mix_changes_hands_no_lead_over():
         assert policy._winner is True      # a try of plain first, not a switch
 
 
-def test_a_lead_reversed_by_the_first_try_counts_as_exploration():
-    """Plain leads and has held off speculation's tries to every MAX_EXPLORE steps. A try
-    of speculation (which drafts for the rows whose drafts are not behind) shows it 1.17x
-    ahead, so it takes the lead; over every row it makes 0.91x plain's rate, and the first
-    try of plain (EXPLORE steps on: plain looks ahead) hands the lead back. The lead's steps beyond plain's pace count against
-    the tries' budget, and speculation is next tried after MAX_EXPLORE steps, not EXPLORE:
-    otherwise such a lead is taken and lost every few tens of steps."""
-    from batchspec.spec.policy import EXPLORE, MAX_EXPLORE, TRY_STEPS
+def lead_after_a_try(lead_factor, num_steps):
+    """Plain leads and has held off speculation's tries to every MAX_EXPLORE steps; a try of
+    speculation is due (the budget holds it not back) and measures 3.5x its predicted seconds
+    (1.17x plain's rate: it takes the lead); the lead's steps, over every row, measure
+    lead_factor x theirs, plain's steps as predicted. Returns the policy and the side of each
+    of num_steps steps (True: speculated)."""
+    from batchspec.spec.policy import MAX_EXPLORE
     policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3})
     seqs = rows_with(policy, 4, "d", 0.9)
     set_slowdowns(policy, 3.5, 1.0)
@@ -737,7 +736,7 @@ def test_a_lead_reversed_by_the_first_try_counts_as_exploration():
     policy._since = MAX_EXPLORE - 1         # its try is due
     policy._busy_s = 100.0                  # (the budget holds no try back)
     sides = []
-    for _ in range(2 * MAX_EXPLORE + EXPLORE):
+    for _ in range(num_steps):
         if policy.plain_step(seqs, 4):
             speculate = False
         else:
@@ -745,10 +744,21 @@ def test_a_lead_reversed_by_the_first_try_counts_as_exploration():
         sides.append(speculate)
         if policy._chosen is not None:
             _, tokens, seconds, tried = policy._chosen
-            policy.observe(seconds * (1.0 if not speculate else 3.5 if tried else 4.5),
+            policy.observe(seconds * (1.0 if not speculate else 3.5 if tried else lead_factor),
                            tokens)
         else:                     # a step that catches up (not measured): as predicted
             policy._count_try(0.04, 4)
+    return policy, sides
+
+
+def test_a_lead_reversed_by_the_first_try_counts_as_exploration():
+    """A try of speculation (which drafts for the rows whose drafts are not behind) shows it
+    1.17x ahead, so it takes the lead; over every row it makes 0.91x plain's rate, and the
+    first try of plain hands the lead back. The lead's steps beyond plain's pace count
+    against the tries' budget, and speculation is next tried after MAX_EXPLORE steps, not
+    EXPLORE: otherwise such a lead is taken and lost every few tens of steps."""
+    from batchspec.spec.policy import EXPLORE, MAX_EXPLORE, TRY_STEPS
+    policy, sides = lead_after_a_try(4.5, 2 * MAX_EXPLORE + EXPLORE)
     took = sides.index(True) + TRY_STEPS + 1       # the try, then speculation leads ...
     assert sides[took:took + 2] == [True, True]
     back = sides.index(False, took)                # ... until the first try of plain
@@ -757,6 +767,24 @@ def test_a_lead_reversed_by_the_first_try_counts_as_exploration():
     # tried MAX_EXPLORE steps on
     assert policy._winner is False
     assert policy._explore_s > 0.0                 # its lead's excess was counted
+
+
+@pytest.mark.parametrize("lead_factor, early", [(4.5, True), (3.5, False)])
+def test_a_new_lead_its_own_steps_measure_behind_plain_is_tried_against_plain_at_once(
+        lead_factor, early):
+    """A try of speculation (drafting for the rows least behind) hands it the lead, and over
+    every row its steps measure lead_factor x their predicted seconds. Measured behind plain
+    (4.5x: 0.91x plain's rate), plain is tried as soon as the lead's own steps have measured
+    TRY_STEPS, not EXPLORE steps after the switch: at 32 rows and T = 0.8 such leads ran
+    at 0.7 of plain's pace until then. Measured ahead (as fast as the try: 1.17x), the lead
+    holds, and plain is tried at the interval as before."""
+    from batchspec.spec.policy import EXPLORE, TRY_STEPS
+    _, sides = lead_after_a_try(lead_factor, 3 * EXPLORE)
+    took = sides.index(True) + TRY_STEPS + 1       # the try, then speculation leads
+    back = sides.index(False, took) if False in sides[took:] else len(sides)
+    # the lead's first step (its catch-up, not measured), TRY_STEPS measured, then plain
+    assert (back - took <= TRY_STEPS + 2) is early
+    assert back - took >= TRY_STEPS + 1
 
 
 def test_a_first_lead_reversed_by_a_try_is_not_charged_to_the_budget():
