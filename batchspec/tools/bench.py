@@ -191,8 +191,9 @@ def balanced_turns(n: int) -> list[tuple[int, ...]]:
     ms within its own (benchmarks/bench_turns.py --predecessors). With the first of each turn
     rotating (plain, spec-domain, spec-adaptive; then spec-domain, spec-adaptive, plain;
     ...), three engines followed one order twice as often as the other: `spec-adaptive` came
-    after `spec-domain` in two slices of three, plain in one. The orders are found by a depth-first search (at
-    once for the handful of methods a bench runs; a cycle exists for every n tried, 2-8)."""
+    after `spec-domain` in two slices of three, plain in one. The orders are found by a
+    depth-first search (at once for the handful of methods a bench runs; a cycle exists for
+    every n tried, 2-8)."""
     if n <= 2:
         return [tuple(range(n))]
     perms = list(itertools.permutations(range(n)))
