@@ -687,8 +687,9 @@ class SpecPolicy:
                 # The side behind was measured in its last try, the leader in every step
                 # since: on a machine whose speed drifts (10-30% within seconds on a
                 # shared VM) the two were measured at different speeds. It is tried now
-                # (EXPLORE steps after the last try or change at the soonest), and takes
-                # the lead only if the try shows it ahead.
+                # (EXPLORE steps after the last try or change at the soonest; plain as soon
+                # as a lead not yet confirmed has measured itself behind: _lead_measured),
+                # and takes the lead only if the try shows it ahead.
                 speculate = self._winner
                 ahead = not self._try_left and (self._since + 1 >= EXPLORE or
                                                 self._lead_measured())

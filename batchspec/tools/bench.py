@@ -35,7 +35,7 @@ import platform
 import statistics
 import time
 from collections import Counter
-from functools import partial
+from functools import cache, partial
 
 import click
 
@@ -179,7 +179,8 @@ def run_engines_in_turns(llms, prompt_ids, *, domains, temperature, max_tokens, 
     return results
 
 
-def balanced_turns(n: int) -> list[tuple[int, ...]]:
+@cache
+def balanced_turns(n: int) -> tuple[tuple[int, ...], ...]:
     """Orders of n engines for successive turns (run_engines_in_turns takes them in a cycle)
     in which each engine's slice follows each other engine's exactly once a cycle, across the
     turns' boundaries too: n - 1 turns, each an order of all n, whose n(n - 1) successions
@@ -193,9 +194,9 @@ def balanced_turns(n: int) -> list[tuple[int, ...]]:
     ...), three engines followed one order twice as often as the other: `spec-adaptive` came
     after `spec-domain` in two slices of three, plain in one. The orders are found by a
     depth-first search (at once for the handful of methods a bench runs; a cycle exists for
-    every n tried, 2-8)."""
+    every n tried, 2-8; found once per n)."""
     if n <= 2:
-        return [tuple(range(n))]
+        return (tuple(range(n)),)
     perms = list(itertools.permutations(range(n)))
     used: set[tuple[int, int]] = set()
     turns: list[tuple[int, ...]] = []
@@ -220,8 +221,8 @@ def balanced_turns(n: int) -> list[tuple[int, ...]]:
             used.difference_update(pairs)
         return False
     if not extend():     # (not met for any n tried; the rotation then, as the bench had)
-        return [tuple(range(t, n)) + tuple(range(t)) for t in range(n)]
-    return turns
+        return tuple(tuple(range(t, n)) + tuple(range(t)) for t in range(n))
+    return tuple(turns)
 
 
 def _params(temperature, top_p, max_tokens, num_rows=None):
