@@ -134,6 +134,9 @@ class EngineConfig:
     block_size: int | None = None     # tokens per KV block; None: 16 (torch), 256 (flash)
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU
+    # CPU: write every page of the KV cache at start-up, not as rows first use it, so that
+    # no step pays page faults (models/llama.py: zeroed; batchspec bench sets it)
+    prefault_kv_cache: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -122,6 +122,31 @@ def test_the_cpu_kv_cache_takes_memory_as_rows_use_it():
     assert os.waitpid(pid, 0)[1] == 0 and not cache[2, 1, :16].any()
 
 
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+def test_an_engine_told_to_prefault_its_kv_cache_holds_it_from_the_start(prefault, tiny_llama):
+    """prefault_kv_cache (batchspec bench sets it) writes every page of the KV cache when the
+    engine is built, so that no step pays the page faults of pages rows write first; without
+    it the cache is resident only as far as rows have written it."""
+    from batchspec import LLM
+    before = _resident()
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", num_kv_blocks=8192,
+              prefault_kv_cache=prefault)
+    grown = _resident() - before
+    k, v = llm.engine.target.kv_caches[0]
+    size = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+               for k, v in llm.engine.target.kv_caches)
+    assert size >= 64 * 2 ** 20 and not k.any() and not v.any()
+    if prefault:
+        assert grown >= 0.9 * size
+    else:
+        assert grown < 0.5 * size
+
+
 def _tokenizer_facts(tok, text: str, messages: list[dict]) -> dict:
     ids = tok.encode(text, add_special_tokens=False)
     return {"class": type(tok), "vocab": tok.get_vocab(), "eos": tok.eos_token_id,

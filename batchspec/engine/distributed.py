@@ -164,10 +164,11 @@ class TensorParallelRunner(ModelRunner):
                 proc.kill()
         self.close()
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          prefault: bool = False) -> None:
         for conn in self._conns:  # the ranks use as many threads as rank 0 ends up with
             conn.send(("set_num_threads", (torch.get_num_threads(),)))
-        self._call("allocate_kv_cache", num_blocks, block_size)
+        self._call("allocate_kv_cache", num_blocks, block_size, prefault)
 
     def forward(self, token_rows, num_computed, block_tables, num_logits, float_logits=True):
         return self._call("forward", token_rows, num_computed, block_tables, num_logits,

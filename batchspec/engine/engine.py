@@ -81,7 +81,7 @@ class Engine:
                         capacity, self.max_model_len)
             self.max_model_len = capacity
         for r in all_runners:
-            r.allocate_kv_cache(num_blocks, c.block_size)
+            r.allocate_kv_cache(num_blocks, c.block_size, c.prefault_kv_cache)
         if c.draft_vocab is None:
             self._add_vocab_sources(runners)
         # which proposers run a draft model, the vocabularies' too (the rest look their drafts up)

@@ -153,9 +153,11 @@ class ModelRunner:
         caches = [t for pair in self.kv_caches for t in pair]
         self._steps = (op, weights, self.model.draft_step_dims(), caches)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          prefault: bool = False) -> None:
         self.block_size = block_size
-        self.kv_caches = self.model.allocate_kv_cache(num_blocks, block_size, self.device)
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks, block_size, self.device,
+                                                      prefault)
         self._find_draft_steps()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
