@@ -14,9 +14,14 @@ class Cfg:
     num_speculative_tokens = 4
 
 
-def make_policy(target, draft=None):
+def make_policy(target, draft=None, plain_cold_steps=0):
+    """A policy over these start-up costs. Its plain steps right after a speculating one are
+    measured (plain_cold_steps=0), so that the tests of the lead and the tries drive both sides
+    step by step; test_the_first_plain_steps_after_speculating_are_not_measured keeps the
+    policy's own PLAIN_COLD_STEPS."""
     policy = SpecPolicy(Cfg(), 1024)
     policy.costs = StepCosts([1, 4, 32], target=target, draft=draft or {})
+    policy.plain_cold_steps = plain_cold_steps
     return policy
 
 
@@ -363,6 +368,36 @@ def test_a_try_of_plain_runs_its_steps_as_plain_runs_while_it_leads():
     assert steps[:EXPLORE - 1] == [(True, False)] * (EXPLORE - 1)
     assert steps[EXPLORE - 1] == (False, False)              # weighed, not measured
     assert steps[EXPLORE:] == [("plain_step", True)] * TRY_STEPS + [(True, False)]
+
+
+def test_the_first_plain_steps_after_speculating_are_not_measured():
+    """The first PLAIN_COLD_STEPS plain steps after a speculating one run slower than plain
+    steps do (the speculating step's working set has pushed theirs out of the caches): a try
+    of plain leaves them unmeasured and measures its TRY_STEPS steps after them, and a
+    speculating step starts the count again."""
+    from batchspec.spec.policy import EXPLORE, PLAIN_COLD_STEPS, TRY_STEPS
+    assert PLAIN_COLD_STEPS >= 2
+    policy = make_policy(flat(lambda b, q: 0.01 * b), {"d": [1e-4] * 3},
+                         plain_cold_steps=PLAIN_COLD_STEPS)
+    seqs = rows_with(policy, 4, "d", 0.9)
+    set_slowdowns(policy, 3.9, 1.0)       # speculation leads by a little (1.05x)
+    steps = []
+    for _ in range(EXPLORE + PLAIN_COLD_STEPS + TRY_STEPS + 1):
+        kind = "plain_step" if policy.plain_step(seqs, 4) else \
+            any(policy.choose_lengths([(s, "d", 4, True) for s in seqs], 0))
+        chosen = policy._chosen
+        steps.append((kind, chosen is not None and chosen[3]))
+        if chosen is not None:            # each side measured as set above
+            speculate, tokens, seconds, _ = chosen
+            policy.observe(seconds * (3.9 if speculate else 1.0), tokens)
+    assert steps[:EXPLORE - 1] == [(True, False)] * (EXPLORE - 1)
+    assert steps[EXPLORE - 1] == (False, False)               # weighed, not measured
+    cold = PLAIN_COLD_STEPS - 1
+    assert steps[EXPLORE:EXPLORE + cold] == [("plain_step", False)] * cold
+    assert steps[EXPLORE + cold:EXPLORE + cold + TRY_STEPS] == \
+        [("plain_step", True)] * TRY_STEPS
+    assert steps[-1] == (True, False)      # the try is over; speculation leads again
+    assert policy._cold == PLAIN_COLD_STEPS
 
 
 @pytest.mark.parametrize("step_s,measured", [(0.04, 3), (0.005, 6), (0.001, 12)])

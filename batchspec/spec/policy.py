@@ -51,6 +51,14 @@ MAX_P = 0.98
 # unmeasured (see choose_lengths).
 EXPLORE, MAX_EXPLORE, FAR_EXPLORE, TRY_MARGIN, TRY_STEPS = 10, 80, 400, 0.9, 3
 TRY_MIN_S, MAX_TRY_STEPS = 0.03, 12
+# The first plain steps after a speculating one run slower than plain steps do: at 32 rows and
+# T = 0.8, 3.6, 3.6, 3.3, 3.1, 3.0 and 2.9 ms for the first six against 2.7 from the seventh on
+# (in the bench's turns; the speculating step's working set, the draft's weights and the
+# windows' logits, has pushed the plain step's out of the core's caches). The first
+# PLAIN_COLD_STEPS are not measured: a try of plain at 32 rows measures about ten steps, and
+# from its second step on it found plain about 8% slower than it runs, which held leads of
+# speculation that lost.
+PLAIN_COLD_STEPS = 3
 # Tries are also held to a budget: what they cost beyond the leading side's measured time
 # for the same tokens, summed, stays within this share of all measured steps' time (a try's
 # first step, with the drafts' catch-up, included). At 32 rows and T = 0.8 a try of
@@ -348,6 +356,9 @@ class SpecPolicy:
         #                                     plain leads and speculation is far behind
         self._tried_in_full = False         # a try of speculation has drafted for every row
         self._speculated = False            # whether the last step speculated
+        self.plain_cold_steps = PLAIN_COLD_STEPS
+        self._cold = 0                      # plain steps still to leave unmeasured after the
+        #                                     last speculating step
         self._trying = False                # whether this step is part of a try
         self._try_measured = 0              # measured steps of the try on (or the last)
         self._try_s = 0.0                   # and their seconds
@@ -660,7 +671,7 @@ class SpecPolicy:
             # it, weighing plans every EXPLORE steps only.
             self._since += 1
             self._trying = False
-            self._chosen = (False, num_rows, plain_s, False)
+            self._chosen = None if self._cold_step() else (False, num_rows, plain_s, False)
             return [0] * len(rows)
         probs = self.rows_probs(rows, classes)
         extra_s = self._overhead_s()
@@ -734,8 +745,11 @@ class SpecPolicy:
         tried = self._trying = speculate != self._winner
         warm_up = speculate != self._speculated and (speculate or tried)
         self._speculated = speculate
-        self._chosen = None if warm_up else (True, spec_tokens, spec_s, tried) if speculate \
-            else (False, num_rows, plain_s, tried)
+        if speculate:
+            self._cold = self.plain_cold_steps
+        cold = not speculate and self._cold_step()
+        self._chosen = None if warm_up or cold else (True, spec_tokens, spec_s, tried) \
+            if speculate else (False, num_rows, plain_s, tried)
         self._draft_pred = self._levels_s(rows, lengths, costs) \
             if speculate and not warm_up else {}
         return lengths
@@ -839,7 +853,8 @@ class SpecPolicy:
         self._use_mix(self.mix_of(seqs) if mix is None else mix, num_rows)
         tried = self._winner is True and self._try_left > 0 and not self._speculated
         if tried:   # a try of plain goes on: its steps run as they do while plain leads
-            self._try_left -= 1
+            if not self._cold:       # (those left unmeasured do not count among its steps)
+                self._try_left -= 1
         else:
             step = self._since + 1   # (every interval is a multiple of EXPLORE)
             due = FAR_EXPLORE if self._far else self._interval
@@ -850,8 +865,16 @@ class SpecPolicy:
                 return False
         self._since += 1
         self._speculated, self._trying = False, tried
-        self._chosen = (False, num_rows, max(self.costs.at(mean_context(seqs)).target_s(
-            num_rows, 1), 1e-12), tried)
+        self._chosen = None if self._cold_step() else (False, num_rows, max(self.costs.at(
+            mean_context(seqs)).target_s(num_rows, 1), 1e-12), tried)
+        return True
+
+    def _cold_step(self) -> bool:
+        """Whether this plain step is one of the first plain_cold_steps (PLAIN_COLD_STEPS)
+        after a speculating step, which are not measured (counted off here)."""
+        if not self._cold:
+            return False
+        self._cold -= 1
         return True
 
     def _plan(self, rows: list[tuple[Sequence, str, int, bool]], probs: list[list[float]],
