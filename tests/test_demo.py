@@ -210,6 +210,44 @@ def test_bench_fresh_prompts_has_every_run_compute_its_prompts(tiny_llama):
     assert cached(True) == [0, 0]
 
 
+def _resident_share(tensor) -> float:
+    """Share of the pages under a contiguous CPU tensor that are in memory (mincore)."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_bench_engines_hold_their_kv_caches_written_from_the_start(tiny_llama, tiny_draft):
+    """Every bench engine's KV caches (the target's and each draft's) are written whole when
+    it is built: with pages faulted in as rows first write them, a method whose outputs change
+    from run to run took blocks never written in its timed runs, where seeded plain and
+    fixed-k runs wrote the same blocks again, and paid page faults the others did not. An
+    engine built outside the bench keeps its cache unwritten until rows use it."""
+    from batchspec import LLM
+    from batchspec.spec.proposer import DraftModelProposer
+    from batchspec.tools.bench import make_llm
+    models = {"target": tiny_llama, "draft": tiny_draft, "draft-code": tiny_draft,
+              "draft-docs": tiny_draft}
+    engine = make_llm("spec-adaptive", models, 2, 3, 0, 0.0, 1, "float32").engine
+    runners = [engine.target] + [p.runner for p in engine.proposers.values()
+                                 if isinstance(p, DraftModelProposer)]
+    assert len(runners) >= 2
+    for runner in runners:
+        for k, v in runner.kv_caches:
+            assert _resident_share(k) == 1.0 and _resident_share(v) == 1.0
+    lazy = LLM(tiny_llama, device="cpu", dtype="float32", num_kv_blocks=4096).engine
+    k, v = lazy.target.kv_caches[-1]
+    assert _resident_share(k) < 0.5 and _resident_share(v) < 0.5
+
+
 def test_bench_pairs_each_rounds_runs_for_its_ratios():
     """The fastest runs of two methods may come from different stretches of a machine whose
     speed drifts; the paired ratio is the median of each round's ratio."""
