@@ -256,6 +256,52 @@ def test_cancel_stops_the_job(worker, redis_server, store, slow_model, tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "cancelled"
 
 
+# Ctrl-C as `submit` sends the job's first task, landing in code that Python compiled with
+# eval (as the namedtuples of the modules Celery imports at its first send are): without
+# SIGINT held while the job is recorded and its tasks sent, the command printed its message
+# and Python then ended it by SIGINT (status -2), or a RuntimeError came out with a traceback.
+SEND_WITH_CTRL_C = """
+import sys
+import batchspec.jobs.tasks as tasks
+from batchspec.cli import main
+send = tasks.run_shard_task.apply_async
+sent = []
+def apply_async(*args, **kwargs):
+    if not sent:
+        eval("__import__('os').kill(__import__('os').getpid(), 2)")
+    sent.append(args)
+    return send(*args, **kwargs)
+tasks.run_shard_task.apply_async = apply_async
+sys.argv[0] = "batchspec"
+main()
+"""
+
+
+def test_ctrl_c_while_submitting_leaves_the_job_recorded(redis_server, tiny_llama, tmp_path):
+    url = redis_server.rsplit("/", 1)[0] + "/7"    # (no worker takes its tasks)
+    path = write_rows(tmp_path / "i.parquet", [f"row {i}" for i in range(3)], [4] * 3)
+    (tmp_path / "send_with_ctrl_c.py").write_text(SEND_WITH_CTRL_C)
+    r = subprocess.run(
+        [sys.executable, "-m", "send_with_ctrl_c", "submit", path, "-o", str(tmp_path / "out"),
+         "--model", tiny_llama, "--shard-size", "1", "--wait", "-q"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "BATCHSPEC_REDIS_URL": url,
+             "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    store = JobStore(url)
+    try:
+        job_id, = (j["job_id"] for j in store.recent(5))
+        assert r.returncode == 1 and f"batchspec cancel {job_id}" in r.stderr, \
+            (r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr
+        # the job goes on: recorded, its output prepared, the task being sent sent whole;
+        # the workers' periodic check sends the two not sent
+        assert store.get(job_id)["state"] == "queued"
+        assert store.r.llen("batchspec") == 1
+    finally:
+        store.r.flushdb()
+
+
 @pytest.mark.slow
 def test_beat_schedule_submits_and_completes_a_job(worker, redis_server, store, inputs,
                                                    tiny_llama, tmp_path):

@@ -297,6 +297,50 @@ def _get_job(store, job_id: str) -> dict:
 REDIS_WAIT_S = 60
 
 
+class CtrlCHeld:
+    """Ctrl-C (SIGINT) held off while the block runs, and raised as KeyboardInterrupt as it
+    ends; pending() says whether one came. `submit` records a job and sends its tasks so:
+    Ctrl-C stops it at a point of its own (before the next task; the workers' periodic check
+    sends the rest), not inside Redis' or Celery's code. There, a KeyboardInterrupt could
+    land in the modules Celery imports at its first send: inside the class body of one it
+    came out as a RuntimeError with a traceback, and inside the code `namedtuple` compiles
+    with eval, Python, having printed the command's message, ended the process by SIGINT
+    (status -2 under `python -m`) instead of exit status 1. The signal is noted by a handler
+    of its own meanwhile (blocking it in this thread would not do: the kernel hands a signal
+    sent to the process to any thread not blocking it, and torch's threads do not). Outside
+    the main thread, or where SIGINT is ignored, nothing is held."""
+    def __enter__(self) -> CtrlCHeld:
+        import signal
+        import threading
+        self._came, self._previous = False, None
+        if threading.current_thread() is threading.main_thread() and \
+                callable(signal.getsignal(signal.SIGINT)):
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self._came = True
+
+    def pending(self) -> bool:
+        return self._came
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            import signal
+            signal.signal(signal.SIGINT, self._previous)
+            if self._came:   # (Python's own handler raises KeyboardInterrupt)
+                self._previous(signal.SIGINT, None)
+
+
+def _import_for_waiting() -> None:
+    """What wait_for imports, imported before the job is recorded: after it, Ctrl-C stops the
+    waiting, and one that lands in an import has the effects CtrlCHeld says."""
+    import redis  # noqa: F401
+    import tqdm.auto  # noqa: F401
+
+    import batchspec.jobs.tasks  # noqa: F401
+
+
 def wait_for(store, job_id: str, output: str, poll_s: float = 0.5,
              progress: bool = True) -> dict:
     """Follow a job just submitted (into `output`) to its end with a progress bar on stderr
@@ -373,9 +417,12 @@ def submit(ctx, config, wait, quiet, overwrite, **options):
         return
     from batchspec.jobs.spec import new_job_id
     job_id = spec.job_id = spec.job_id or new_job_id(spec.name)
+    if wait:
+        _import_for_waiting()
     try:
         # (with --overwrite, the directory is cleared once the job holds it: submit_job)
-        submit_job(spec, shards, overwrite=overwrite)
+        with CtrlCHeld() as ctrl_c:
+            submit_job(spec, shards, overwrite=overwrite, stop=ctrl_c.pending)
         if not wait:
             click.echo(job_id)
             return

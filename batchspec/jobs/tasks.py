@@ -574,10 +574,13 @@ def refuse_busy_output(store: JobStore, output: str) -> None:
         raise output_busy(busy, output)
 
 
-def submit_job(spec: JobSpec, shards: list | None = None, overwrite: bool = False) -> str:
+def submit_job(spec: JobSpec, shards: list | None = None, overwrite: bool = False,
+               stop: Callable[[], bool] | None = None) -> str:
     """Store the job and enqueue one task per shard (`shards`: the job's plan, when the
     caller has made it); `overwrite` clears the output directory's job files first. Returns
-    the job id.
+    the job id. `stop`, asked before each task is sent: True leaves the tasks not yet sent
+    to the workers' periodic check, which sends a queued shard's task when none carries it
+    (`submit` stops so when Ctrl-C comes while it sends them).
 
     The record comes first: JobStore.create claims the output directory in one transaction
     (OutputBusy when an active job writes there), and only then are its files cleared and
@@ -603,6 +606,8 @@ def submit_job(spec: JobSpec, shards: list | None = None, overwrite: bool = Fals
         raise
     store.prepared(spec.job_id)
     for shard in shards:
+        if stop is not None and stop():
+            break
         run_shard_task.apply_async((spec.job_id, shard.id))
     if not shards:
         store.set_fields(spec.job_id, state="finalizing")
