@@ -338,8 +338,6 @@ def _import_for_waiting() -> None:
     import redis  # noqa: F401
     import tqdm.auto  # noqa: F401
 
-    import batchspec.jobs.tasks  # noqa: F401
-
 
 def wait_for(store, job_id: str, output: str, poll_s: float = 0.5,
              progress: bool = True) -> dict:
