@@ -1,7 +1,9 @@
-"""What the cap on a row's draft length (-k, num_speculative_tokens) is worth to adaptive
-lengths: on the demo models, a plain engine, a fixed k = 4 (`spec-domain`) and `spec-adaptive`
-at each cap given, all taking turns over the same job as `batchspec bench` runs them
-(batchspec.tools.bench.run_engines_in_turns), after one batch each as the bench's warm-up.
+"""What the cap on a row's draft length (-k) is worth to adaptive lengths, beside plain.
+
+-k (num_speculative_tokens) caps adaptive lengths. On the demo models, a plain engine, a fixed
+k = 4 (`spec-domain`) and `spec-adaptive` at each cap given, all taking turns over the same
+job as `batchspec bench` runs them (batchspec.tools.bench.run_engines_in_turns), after one
+batch each as the bench's warm-up.
 Prints each engine's tokens per second x plain (the fastest run of each, as the bench; and
 the median of the runs' ratios to plain in the same run) and its tokens a pass in its last
 run (the bench's column: contract.summarize's mean accepted length).
@@ -34,8 +36,8 @@ def main():
     ap.add_argument("--domain", default=None, help="code or docs (default: both)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=None,
-                    help="prompts a run takes [the bench's: 32 at one row, else "
-                         "max(64, 8 x batch size)]")
+                    help="prompts a run takes [32 at one row, as the bench's one-row bar "
+                         "runs; else max(64, 8 x batch size), as its matrix]")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     caps = [int(c) for c in args.caps.split(",")]
