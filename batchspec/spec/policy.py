@@ -688,6 +688,15 @@ class SpecPolicy:
         margin = SWITCH_MARGIN if self._winner is False else 1.0
         speculate = spec_n > 0 and spec_c > plain_c * margin
         fresh, self._fresh = self._fresh, False
+        if fresh and self._winner is True and not speculate and spec_n and \
+                self._speculation_measured_ahead():
+            # A try of plain whose steps measured fewer tokens per second than the lead's
+            # own steps does not take the lead on this one step's plan: at 8 rows and
+            # T = 0.8 (where speculation makes 1.2-1.3x plain) a try of plain ended on a
+            # step whose plan, its rows' estimates or its mean context, priced speculation
+            # below plain though its steps had measured 4.1 tokens a ms against the try's
+            # 3.4, and plain then led for 85 steps of a 250-step job
+            speculate = True
         ahead = False      # the side behind looks ahead, but on measurements not fresh
         if speculate != self._winner:
             if self._winner is None or fresh or not spec_n:  # a try has just shown it (or
@@ -1113,6 +1122,13 @@ class SpecPolicy:
         if m is None:
             return tokens / max(seconds, 1e-12)
         return tokens * m[2] / m[0] / max(seconds + m[3] - m[1], 0.5 * seconds, 1e-12)
+
+    def _speculation_measured_ahead(self) -> bool:
+        """Whether speculation's measured steps (its lead's recent ones) made more tokens per
+        second than plain's (a try's own steps, after a try of plain)."""
+        spec, plain = self.measured.get(True), self.measured.get(False)
+        return spec is not None and plain is not None and spec[3] > 0 and plain[3] > 0 and \
+            spec[2] / spec[3] > plain[2] / plain[3]
 
     def _overhead_s(self) -> float:
         """What a speculating step has measured beyond its predicted seconds, on average (a
