@@ -261,6 +261,7 @@ def test_cancel_stops_the_job(worker, redis_server, store, slow_model, tmp_path)
 # SIGINT held while the job is recorded and its tasks sent, the command printed its message
 # and Python then ended it by SIGINT (status -2), or a RuntimeError came out with a traceback.
 SEND_WITH_CTRL_C = """
+import os
 import sys
 import batchspec.jobs.tasks as tasks
 from batchspec.cli import main
@@ -269,6 +270,8 @@ sent = []
 def apply_async(*args, **kwargs):
     if not sent:
         eval("__import__('os').kill(__import__('os').getpid(), 2)")
+        if os.environ.get("CTRL_C_TWICE"):    # the second from the caller's own code
+            os.kill(os.getpid(), 2)
     sent.append(args)
     return send(*args, **kwargs)
 tasks.run_shard_task.apply_async = apply_async
@@ -277,7 +280,11 @@ main()
 """
 
 
-def test_ctrl_c_while_submitting_leaves_the_job_recorded(redis_server, tiny_llama, tmp_path):
+@pytest.mark.parametrize("twice", [False, True])
+def test_ctrl_c_while_submitting_leaves_the_job_recorded(redis_server, tiny_llama, tmp_path,
+                                                         twice):
+    """Once: held until the task being sent has gone. Twice: not held any longer (a Redis
+    that hangs would hold it for its socket timeouts); the job stays recorded either way."""
     url = redis_server.rsplit("/", 1)[0] + "/12"   # (no worker takes its tasks there)
     path = write_rows(tmp_path / "i.parquet", [f"row {i}" for i in range(3)], [4] * 3)
     out = tmp_path / "out"
@@ -287,7 +294,8 @@ def test_ctrl_c_while_submitting_leaves_the_job_recorded(redis_server, tiny_llam
          "--model", tiny_llama, "--shard-size", "1", "--wait", "-q"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
         env={**os.environ, "BATCHSPEC_REDIS_URL": url,
-             "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+             "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
+             **({"CTRL_C_TWICE": "1"} if twice else {})},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     store = JobStore(url)
     job_id = next(j["job_id"] for j in store.recent(20) if j["output"] == str(out))
@@ -295,11 +303,11 @@ def test_ctrl_c_while_submitting_leaves_the_job_recorded(redis_server, tiny_llam
     try:
         assert r.returncode == 1 and f"batchspec cancel {job_id}" in r.stderr, \
             (r.returncode, r.stderr)
-        assert "Traceback" not in r.stderr
-        # the job goes on: recorded, its output prepared, the task being sent sent whole;
-        # the workers' periodic check sends the two not sent
+        assert "Traceback" not in r.stderr and "Ctrl-C again to stop at once" in r.stderr
+        # the job goes on: recorded, its output prepared, the task being sent sent whole
+        # (twice: stopped before it); the workers' periodic check sends those not sent
         assert store.get(job_id)["state"] == "queued"
-        assert len(sent) == 1
+        assert len(sent) == (0 if twice else 1)
     finally:   # (nothing of it left to a later test of this database)
         for m in sent:
             store.r.lrem("batchspec", 0, m)

@@ -307,8 +307,10 @@ class CtrlCHeld:
     with eval, Python, having printed the command's message, ended the process by SIGINT
     (status -2 under `python -m`) instead of exit status 1. The signal is noted by a handler
     of its own meanwhile (blocking it in this thread would not do: the kernel hands a signal
-    sent to the process to any thread not blocking it, and torch's threads do not). Outside
-    the main thread, or where SIGINT is ignored, nothing is held."""
+    sent to the process to any thread not blocking it, and torch's threads do not). A second
+    Ctrl-C is not held: where Redis hangs, a held one would wait out its socket timeouts, and
+    the user asked twice. Outside the main thread, or where SIGINT is ignored, nothing is
+    held."""
     def __enter__(self) -> CtrlCHeld:
         import signal
         import threading
@@ -319,7 +321,14 @@ class CtrlCHeld:
         return self
 
     def _note(self, signum, frame) -> None:
+        if self._came:            # the second: now, as Python's own handler would
+            import signal
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+            self._came = False
+            raise KeyboardInterrupt
         self._came = True
+        click.echo("finishing the job's submission (Ctrl-C again to stop at once)", err=True)
 
     def pending(self) -> bool:
         return self._came
