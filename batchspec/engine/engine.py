@@ -428,7 +428,7 @@ class Engine:
             # the tokens the step made, before stop conditions cut any; its prompt tokens
             # besides the windows (a row finishing its prompt samples and is in the plan)
             self.policy.observe(time.perf_counter() - t0, len(sampling) + sum(num_accepted),
-                                sum(s.num_new_tokens - s.is_sampling for s in scheduled))
+                                sum([s.num_new_tokens for s in scheduled]) - len(sampling))
         return result
 
     def propose(self, sampling: list[ScheduledSeq]) -> bool:

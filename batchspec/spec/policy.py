@@ -304,7 +304,7 @@ def native_core():
 def mean_context(seqs: list[Sequence]) -> float:
     """The mean context of rows (tokens a row's attention reads), at which a step's costs
     are priced (StepCosts.at)."""
-    return sum(map(len, seqs)) / len(seqs) if seqs else 0.0
+    return sum([len(seq.token_ids) for seq in seqs]) / len(seqs) if seqs else 0.0
 
 
 def temperature_bucket(seq: Sequence) -> float:
@@ -875,7 +875,7 @@ class SpecPolicy:
         self._since += 1
         self._speculated, self._trying = False, tried
         self._chosen = None if self._cold_step() else (False, num_rows, max(self.costs.at(
-            mean_context(seqs)).target_s(num_rows, 1), 1e-12), tried)
+            mean_context(seqs))._target_at(num_rows)[1], 1e-12), tried)
         return True
 
     def _cold_step(self) -> bool:
