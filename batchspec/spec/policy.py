@@ -182,6 +182,11 @@ class StepCosts:
     def target_s(self, b: int, q: int) -> float:
         return self._at(self.target[q], b) if b > 0 else 0.0
 
+    def decode_s(self, b: int) -> float:
+        """target_s(b, 1), from the table kept per batch size (a plain step's prediction,
+        every plain step)."""
+        return self._target_at(b)[1]
+
     def smooth(self) -> None:
         """Measured timings are noisy (a shared machine, one timing per shape): at each batch
         size, replace the target's times by their least-squares line in q (slope at least 0:
@@ -875,7 +880,7 @@ class SpecPolicy:
         self._since += 1
         self._speculated, self._trying = False, tried
         self._chosen = None if self._cold_step() else (False, num_rows, max(self.costs.at(
-            mean_context(seqs))._target_at(num_rows)[1], 1e-12), tried)
+            mean_context(seqs)).decode_s(num_rows), 1e-12), tried)
         return True
 
     def _cold_step(self) -> bool:
