@@ -1128,12 +1128,17 @@ class SpecPolicy:
             return tokens / max(seconds, 1e-12)
         return tokens * m[2] / m[0] / max(seconds + m[3] - m[1], 0.5 * seconds, 1e-12)
 
+    def _pace(self, speculate: bool) -> float | None:
+        """Tokens per second that a side's measured steps made (its averages: a lead's recent
+        steps, a try's own), or None before it has measured one."""
+        m = self.measured.get(speculate)
+        return m[2] / m[3] if m is not None and m[3] > 0 else None
+
     def _speculation_measured_ahead(self) -> bool:
         """Whether speculation's measured steps (its lead's recent ones) made more tokens per
         second than plain's (a try's own steps, after a try of plain)."""
-        spec, plain = self.measured.get(True), self.measured.get(False)
-        return spec is not None and plain is not None and spec[3] > 0 and plain[3] > 0 and \
-            spec[2] / spec[3] > plain[2] / plain[3]
+        spec, plain = self._pace(True), self._pace(False)
+        return spec is not None and plain is not None and spec > plain
 
     def _overhead_s(self) -> float:
         """What a speculating step has measured beyond its predicted seconds, on average (a
@@ -1266,7 +1271,6 @@ class SpecPolicy:
         twelfth of a job of 16 rows of 64 tokens, at half speculation's pace), where the
         first three left no doubt. A try of speculation runs its steps in full: it drafts
         for some rows only (_behind), and its rate is not yet what it makes once it leads."""
-        plain, spec = self.measured.get(False), self.measured.get(True)
-        return plain is not None and spec is not None and \
-            plain[2] / plain[3] < TRY_MARGIN * spec[2] / spec[3]
+        plain, spec = self._pace(False), self._pace(True)
+        return plain is not None and spec is not None and plain < TRY_MARGIN * spec
 
