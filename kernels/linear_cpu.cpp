@@ -15,7 +15,9 @@
 // - bf16 on CPUs with AVX512-BF16 and no AMX tiles (AMD Zen 4 and later, Intel Cooper Lake),
 //   on the same packed weight: VDPBF16PS multiplies a 64-byte row of a block (one input
 //   pair, 16 features) by the pair of a row of x broadcast, adding to 16 fp32 sums; up to 6
-//   rows by 4 blocks at a time (linear_bf16_dp, below, says why not oneDNN).
+//   rows by 4 blocks at a time (linear_bf16_products, below, says why not oneDNN). Where the
+//   CPU's VDPBF16PS is the slower product (bf16_product measures it), fp32 fused
+//   multiply-adds of each pair widened, in VDPBF16PS's order, on the same packed weight.
 //
 // - fp32 on CPUs with AVX2 and FMA (what the CPU's dtype is where it has no bf16
 //   arithmetic). oneDNN's fp32 product with the weight prepacked reads a weight at a third of
@@ -39,9 +41,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -170,6 +175,30 @@ Operands operands(const at::Tensor& x, int64_t K, int64_t N, int64_t Np, at::Sca
 
 #if defined(BS_HAVE_AVX512_PATH)   // x86-64: the AVX512-BF16 path, taken where usable
 #define BS_DP_FN __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
+#define BS_DP_FN_INLINE \
+  __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"), always_inline))
+
+// MR rows of NP blocks of 16 fp32 sums (+ bias) rounded to bf16 at y (rows ldy apart; fp32
+// of the bf16 values where Out is float): the first `count` features
+template <int MR, int NP, typename Out>
+BS_DP_FN_INLINE void store_sums(const __m512 (&acc)[MR][NP], const float* bias, Out* y,
+                                int64_t ldy, int64_t count) {
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) {
+      const int64_t n = p * N_BLOCK;
+      if (n >= count) break;
+      __m512 v = acc[r][p];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      const __mmask16 mask =
+          count - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - n)) - 1);
+      const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+      if constexpr (std::is_same_v<Out, float>)
+        _mm512_mask_storeu_epi32(y + r * ldy + n, mask,
+                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      else
+        _mm256_mask_storeu_epi16(y + r * ldy + n, mask, b);
+    }
+}
 
 // Rows [0, MR) of x (pairs of inputs: row r's pair j is the 32 bits at x + r * ldx + 2j) by
 // NP blocks of 16 features of the packed weight (blocks `block` elements apart, a pair's 16
@@ -194,44 +223,86 @@ BS_DP_FN void dp_block(const uint16_t* x, int64_t ldx, int64_t pairs, const uint
         acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xr, reinterpret_cast<__m512bh>(wv[p]));
     }
   }
-  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
-    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) {
-      const int64_t n = p * N_BLOCK;
-      if (n >= count) break;
-      __m512 v = acc[r][p];
-      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-      const __mmask16 mask =
-          count - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - n)) - 1);
-      const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-      if constexpr (std::is_same_v<Out, float>)
-        _mm512_mask_storeu_epi32(y + r * ldy + n, mask,
-                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-      else
-        _mm256_mask_storeu_epi16(y + r * ldy + n, mask, b);
-    }
+  store_sums<MR, NP, Out>(acc, bias, y, ldy, count);
 }
 
-template <int NP, typename Out>
-BS_DP_FN void dp_rows(int64_t rows, const uint16_t* x, int64_t ldx, int64_t pairs,
-                      const uint16_t* w, int64_t block, const float* bias, Out* y, int64_t ldy,
-                      int64_t count) {
+// Rows [0, MR) of x (fp32, rows ldx apart: the bf16 input widened, exactly) by NP blocks of the
+// pair-packed bf16 weight (as dp_block reads it), into y as dp_block writes it. Each 64-byte
+// row of a block holds 16 features' weights for inputs 2j and 2j + 1 in one 32-bit lane each:
+// the lane shifted up 16 bits is the first's exact fp32 value, its upper half alone the
+// second's. Each value is one chain of fused multiply-adds over the inputs in order,
+// whatever MR and NP are; x's values are broadcast from memory inside the multiply-adds.
+template <int MR, int NP, typename Out>
+BS_DP_FN void fma_block(const float* x, int64_t ldx, int64_t K, const uint16_t* w,
+                        int64_t block, const float* bias, Out* y, int64_t ldy, int64_t count) {
+  __m512 acc[MR][NP];
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+  const int64_t whole = K / 2;
+  for (int64_t j = 0; j < whole; ++j) {
+    __m512i v[NP];
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)
+      v[p] = _mm512_loadu_si512(w + p * block + j * 32);
+    // the pair's second input, then its first: the order of VDPBF16PS's two products (Intel
+    // SDM), so that on Intel CPUs the two paths agree bit for bit but for denormals
+    _Pragma("GCC unroll 2") for (int h = 1; h >= 0; --h) {
+      __m512 wv[NP];
+      _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)
+        wv[p] = _mm512_castsi512_ps(h == 0 ? _mm512_slli_epi32(v[p], 16)
+                                           : _mm512_and_si512(v[p], high));
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+        const __m512 xr = _mm512_set1_ps(x[r * ldx + 2 * j + h]);
+        _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)
+          acc[r][p] = _mm512_fmadd_ps(xr, wv[p], acc[r][p]);
+      }
+    }
+  }
+  if (K % 2 != 0) {   // the last input alone (its pair's second weight is the padding's zero)
+    _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) {
+      const __m512i v = _mm512_loadu_si512(w + p * block + whole * 32);
+      const __m512 first = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+        acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * whole]), first, acc[r][p]);
+    }
+  }
+  store_sums<MR, NP, Out>(acc, bias, y, ldy, count);
+}
+
+// The register block of bf16 products on the pair-packed weight for x's type: pair products
+// of bf16 x (depth: pairs of inputs) or multiply-adds of x widened to fp32 (depth: inputs)
+template <int MR, int NP, typename X, typename Out>
+BS_DP_FN_INLINE void block_products(const X* x, int64_t ldx, int64_t depth, const uint16_t* w,
+                                    int64_t block, const float* bias, Out* y, int64_t ldy,
+                                    int64_t count) {
+  if constexpr (std::is_same_v<X, float>)
+    fma_block<MR, NP, Out>(x, ldx, depth, w, block, bias, y, ldy, count);
+  else
+    dp_block<MR, NP, Out>(x, ldx, depth, w, block, bias, y, ldy, count);
+}
+
+// up to 6 rows by NP blocks
+template <int NP, typename X, typename Out>
+BS_DP_FN void block_rows(int64_t rows, const X* x, int64_t ldx, int64_t depth,
+                         const uint16_t* w, int64_t block, const float* bias, Out* y,
+                         int64_t ldy, int64_t count) {
   switch (rows) {
-    case 1: dp_block<1, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
-    case 2: dp_block<2, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
-    case 3: dp_block<3, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
-    case 4: dp_block<4, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
-    case 5: dp_block<5, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
-    default: dp_block<6, NP, Out>(x, ldx, pairs, w, block, bias, y, ldy, count); break;
+    case 1: block_products<1, NP>(x, ldx, depth, w, block, bias, y, ldy, count); break;
+    case 2: block_products<2, NP>(x, ldx, depth, w, block, bias, y, ldy, count); break;
+    case 3: block_products<3, NP>(x, ldx, depth, w, block, bias, y, ldy, count); break;
+    case 4: block_products<4, NP>(x, ldx, depth, w, block, bias, y, ldy, count); break;
+    case 5: block_products<5, NP>(x, ldx, depth, w, block, bias, y, ldy, count); break;
+    default: block_products<6, NP>(x, ldx, depth, w, block, bias, y, ldy, count);
   }
 }
 
 // Feature blocks [nb0, nb1) of y [M, N]: groups of up to 4 blocks (64 features), each group
 // over all rows 6 at a time (24 sums in registers; the group's weight stays in L1/L2 while
-// the rows reread it), so that the weight is read from memory once a call.
-template <typename Out>
-BS_DP_FN void dp_linear_blocks(const uint16_t* x, int64_t ldx, int64_t M, int64_t pairs,
-                               const uint16_t* wp, int64_t block, int64_t nb0, int64_t nb1,
-                               const float* bias, Out* y, int64_t N) {
+// the rows reread it), so that the weight is read from memory once a call
+template <typename X, typename Out>
+BS_DP_FN void block_groups(const X* x, int64_t ldx, int64_t M, int64_t depth,
+                           const uint16_t* wp, int64_t block, int64_t nb0, int64_t nb1,
+                           const float* bias, Out* y, int64_t N) {
   for (int64_t nb = nb0; nb < nb1; nb += 4) {
     const int64_t np = std::min<int64_t>(4, nb1 - nb);
     const uint16_t* w = wp + nb * block;
@@ -239,13 +310,13 @@ BS_DP_FN void dp_linear_blocks(const uint16_t* x, int64_t ldx, int64_t M, int64_
     const int64_t count = N - nb * N_BLOCK;
     for (int64_t m = 0; m < M; m += 6) {
       const int64_t rows = std::min<int64_t>(6, M - m);
-      const uint16_t* xm = x + m * ldx;
+      const X* xm = x + m * ldx;
       Out* ym = y + m * N + nb * N_BLOCK;
       switch (np) {
-        case 1: dp_rows<1, Out>(rows, xm, ldx, pairs, w, block, b, ym, N, count); break;
-        case 2: dp_rows<2, Out>(rows, xm, ldx, pairs, w, block, b, ym, N, count); break;
-        case 3: dp_rows<3, Out>(rows, xm, ldx, pairs, w, block, b, ym, N, count); break;
-        default: dp_rows<4, Out>(rows, xm, ldx, pairs, w, block, b, ym, N, count); break;
+        case 1: block_rows<1>(rows, xm, ldx, depth, w, block, b, ym, N, count); break;
+        case 2: block_rows<2>(rows, xm, ldx, depth, w, block, b, ym, N, count); break;
+        case 3: block_rows<3>(rows, xm, ldx, depth, w, block, b, ym, N, count); break;
+        default: block_rows<4>(rows, xm, ldx, depth, w, block, b, ym, N, count);
       }
     }
   }
@@ -426,25 +497,62 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_
 #endif
 }
 
-// x bf16 [..., K] . the bf16 packed weight (+ bias) on AVX512-BF16 (VDPBF16PS): for CPUs
-// with it and without AMX tiles (AMD Zen 4 and later, Intel Cooper Lake). The same layout as
-// the tiles'. Why not oneDNN there: its product is a primitive built for each row count and
+#if defined(BS_HAVE_AVX512_PATH)
+// y of the operands o from x's rows as block_products reads them (ldx apart, depth pairs of
+// inputs or inputs)
+// and the pair-packed weight: groups of 4 feature blocks per task, about a million products
+// each, so that small calls stay on one thread
+template <typename X>
+void run_groups(const X* xs, int64_t ldx, int64_t depth, const Operands& o,
+                const at::Tensor& packed, int64_t N, bool float_out) {
+  const int64_t Kp = packed.size(1) * 2, NB = packed.size(0), M = o.M, block = Kp / 2 * 32;
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bp = o.bias_ptr();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (M * Kp * 64));
+  at::parallel_for(0, (NB + 3) / 4, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t nb0 = 4 * g0, nb1 = std::min(4 * g1, NB);
+    if (float_out)
+      block_groups(xs, ldx, M, depth, wp, block, nb0, nb1, bp, o.y.data_ptr<float>(), N);
+    else
+      block_groups(xs, ldx, M, depth, wp, block, nb0, nb1, bp,
+                           reinterpret_cast<uint16_t*>(o.y.data_ptr()), N);
+  });
+}
+#endif
+
+// x bf16 [..., K] . the bf16 packed weight (+ bias) on CPUs with AVX512-BF16 and without AMX
+// tiles (AMD Zen 4 and later, Intel Cooper Lake), the tiles' layout: pair products
+// (VDPBF16PS), or (fma) fp32 fused multiply-adds for CPUs whose VDPBF16PS runs at half the
+// rate of their 512-bit FMAs or less (some Intel Xeons: 42 against 87 billion multiply-adds
+// a second a core; bf16_product), x widened to fp32 once a call (exactly) and each pair of
+// the weight as it is read. Why not oneDNN there: its product is a primitive built for each row count and
 // weight shape (0.2-0.5 ms each), of which it caches 1,024. A job's steps have ragged row
 // counts (verification windows of different lengths, prompts joining the batch): in a
 // 32-row suffix-draft job 6% of the products built one, 4% of the job's time, and the
 // demo target's weights over 268 row counts cost 1.7x this path's time and 630-730 MB of
 // primitives (benchmarks/bench_cpu_ops.py --ragged).
-at::Tensor linear_bf16_dp(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                          const std::optional<at::Tensor>& bias, bool float_out) {
+at::Tensor linear_bf16_products(const at::Tensor& x, const at::Tensor& packed,
+                                int64_t out_features, const std::optional<at::Tensor>& bias,
+                                bool float_out, bool fma) {
 #if defined(BS_HAVE_AVX512_PATH)
   TORCH_CHECK(bs::avx512_bf16_usable(), "linear_packed: this CPU has no AVX512-BF16");
-  const int64_t K = x.size(-1), Kp = packed.size(1) * 2, NB = packed.size(0), N = out_features;
+  const int64_t K = x.size(-1), NB = packed.size(0), N = out_features;
   const Operands o = operands(x, K, N, NB * N_BLOCK, float_out ? at::kFloat : at::kBFloat16, bias);
   const int64_t M = o.M;
   if (M == 0) return o.y;
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(o.x.data_ptr());
+  if (fma) {
+    // x widened into this thread's buffer (an allocation a call cost a one-row forward 2%)
+    thread_local std::vector<uint32_t> wide;
+    wide.resize(size_t(M * K));
+    uint32_t* xs32 = wide.data();
+    for (int64_t i = 0; i < M * K; ++i) xs32[i] = uint32_t(xs[i]) << 16;
+    run_groups(reinterpret_cast<const float*>(xs32), K, K, o, packed, N,
+                             float_out);
+    return o.y;
+  }
   // pairs of inputs are read as 32 bits: an odd width reads its rows from a copy with a zero
   // after each
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(o.x.data_ptr());
   int64_t ldx = K;
   std::vector<uint16_t> even;
   if (K % 2 != 0) {
@@ -453,26 +561,78 @@ at::Tensor linear_bf16_dp(const at::Tensor& x, const at::Tensor& packed, int64_t
     for (int64_t r = 0; r < M; ++r) std::memcpy(even.data() + r * ldx, xs + r * K, K * 2);
     xs = even.data();
   }
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const float* bp = o.bias_ptr();
-  const int64_t pairs = (K + 1) / 2, block = Kp / 2 * 32;
-  // groups of 4 feature blocks per task: about a million products each, so that small
-  // calls stay on one thread
-  const int64_t groups = (NB + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (M * Kp * 64));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    const int64_t nb0 = 4 * g0, nb1 = std::min(4 * g1, NB);
-    if (float_out)
-      dp_linear_blocks(xs, ldx, M, pairs, wp, block, nb0, nb1, bp, o.y.data_ptr<float>(), N);
-    else
-      dp_linear_blocks(xs, ldx, M, pairs, wp, block, nb0, nb1, bp,
-                       reinterpret_cast<uint16_t*>(o.y.data_ptr()), N);
-  });
+  run_groups(xs, ldx, (K + 1) / 2, o, packed, N, float_out);
   return o.y;
 #else
   TORCH_CHECK(false, "linear_packed: AVX512-BF16 needs an x86-64 build");
   return {};
 #endif
+}
+
+#if defined(BS_HAVE_AVX512_PATH)
+// Multiply-adds a second of 24 independent chains of one instruction, one run of `iters`
+template <typename Op>
+BS_DP_FN double chain_rate(Op op, double macs_per_op, int64_t iters) {
+  __m512 acc[24];
+  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(float(i));
+  __m512 a = _mm512_set1_ps(1.0f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    _Pragma("GCC unroll 24") for (int c = 0; c < 24; ++c) acc[c] = op(acc[c], a);
+    asm volatile("" : "+v"(a));
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  __m512 sum = acc[0];
+  for (int i = 1; i < 24; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return double(iters) * 24 * macs_per_op / s;
+}
+
+// {fp32 FMA, VDPBF16PS} multiply-adds a second on this core: the fastest of 7 runs each,
+// in turns (each run 0.1-0.4 ms), after a run of each that warms the 512-bit units
+BS_DP_FN std::vector<double> measure_bf16_rates() {
+  auto fma = [](__m512 c, __m512 a) BS_DP_FN_INLINE { return _mm512_fmadd_ps(a, a, c); };
+  auto pairs = [](__m512 c, __m512 a) BS_DP_FN_INLINE {
+    return _mm512_dpbf16_ps(c, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(a));
+  };
+  chain_rate(fma, 16, 4000);
+  chain_rate(pairs, 32, 4000);
+  double best_fma = 0, best_pairs = 0;
+  for (int run = 0; run < 7; ++run) {
+    best_fma = std::max(best_fma, chain_rate(fma, 16, 10000));
+    best_pairs = std::max(best_pairs, chain_rate(pairs, 32, 10000));
+  }
+  return {best_fma, best_pairs};
+}
+#endif
+
+// {fp32 FMA, VDPBF16PS} multiply-adds a second of one core, measured at the first call ({}
+// without AVX512-BF16)
+const std::vector<double>& bf16_rates() {
+  static const std::vector<double> rates = [] {
+#if defined(BS_HAVE_AVX512_PATH)
+    if (bs::avx512_bf16_usable()) return measure_bf16_rates();
+#endif
+    return std::vector<double>{};
+  }();
+  return rates;
+}
+
+// Which product the bf16 packed weight takes here without AMX tiles: "fma" where this CPU's
+// 512-bit FMAs multiply-add at 1.5x or more the rate of its VDPBF16PS (bf16_rates: about 2x
+// on some Intel Xeons, 0.5x on AMD Zen 4; the fma path's widening of the weight costs about
+// a sixth of its multiply-adds), else "pairs". BATCHSPEC_CPU_BF16_PRODUCT=pairs or fma
+// chooses.
+const char* bf16_product() {
+  static const char* choice = [] {
+    const char* env = std::getenv("BATCHSPEC_CPU_BF16_PRODUCT");
+    if (env != nullptr && std::strcmp(env, "fma") == 0) return "fma";
+    if (env != nullptr && std::strcmp(env, "pairs") == 0) return "pairs";
+    const std::vector<double>& r = bf16_rates();
+    return !r.empty() && r[0] >= 1.5 * r[1] ? "fma" : "pairs";
+  }();
+  return choice;
 }
 
 #if defined(BS_HAVE_AMX_TILES)
@@ -539,7 +699,8 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
 #if defined(BS_HAVE_AMX_TILES)
   if (bs::amx_permitted()) return linear_amx(x, packed, out_features, bias, float_out);
 #endif
-  return linear_bf16_dp(x, packed, out_features, bias, float_out);
+  return linear_bf16_products(x, packed, out_features, bias, float_out,
+                              std::strcmp(bf16_product(), "fma") == 0);
 }
 
 // the AVX512-BF16 path whatever the CPU also has (tests compare it with the tiles)
@@ -547,7 +708,36 @@ at::Tensor linear_packed_dp(const at::Tensor& x, const at::Tensor& packed, int64
                             int64_t out_features, const std::optional<at::Tensor>& bias,
                             bool float_out) {
   check_bf16(x, packed, in_features, out_features);
-  return linear_bf16_dp(x, packed, out_features, bias, float_out);
+  return linear_bf16_products(x, packed, out_features, bias, float_out, false);
+}
+
+// the fp32 multiply-add path on the same packed weight, wherever AVX512-BF16 is (tests hold it
+// to the product and compare it with the pair products)
+at::Tensor linear_packed_fma(const at::Tensor& x, const at::Tensor& packed, int64_t in_features,
+                             int64_t out_features, const std::optional<at::Tensor>& bias,
+                             bool float_out) {
+  check_bf16(x, packed, in_features, out_features);
+  return linear_bf16_products(x, packed, out_features, bias, float_out, true);
+}
+
+// the product linear_packed gives bf16 weights here: "amx", "fma" or "pairs" ("" where
+// bf16 weights do not run: no AVX512-BF16)
+std::string linear_bf16_path() {
+#if defined(BS_HAVE_AMX_TILES)
+  if (bs::amx_permitted()) return "amx";
+#endif
+#if defined(BS_HAVE_AVX512_PATH)
+  if (bs::avx512_bf16_usable()) return bf16_product();
+#endif
+  return "";
+}
+
+// bf16_rates in billions: {fp32 FMA, VDPBF16PS} multiply-adds a second ([] without
+// AVX512-BF16)
+std::vector<double> linear_bf16_rates() {
+  std::vector<double> r = bf16_rates();
+  for (double& v : r) v /= 1e9;
+  return r;
 }
 
 // whether pack_linear_weight's fp32 layout runs here
@@ -584,6 +774,10 @@ TORCH_LIBRARY_FRAGMENT(BS_NS, m) {
         "Tensor? bias, bool float_out=False) -> Tensor");
   m.def("linear_packed_dp(Tensor x, Tensor packed, int in_features, int out_features, "
         "Tensor? bias, bool float_out=False) -> Tensor");
+  m.def("linear_packed_fma(Tensor x, Tensor packed, int in_features, int out_features, "
+        "Tensor? bias, bool float_out=False) -> Tensor");
+  m.def("linear_bf16_path() -> str", &linear_bf16_path);
+  m.def("linear_bf16_rates() -> float[]", &linear_bf16_rates);
   m.def("linear_amx_available() -> bool", &linear_amx_available);
   m.def("linear_bf16_available() -> bool", &linear_bf16_available);
   m.def("linear_f32_available() -> bool", &linear_f32_available);
@@ -593,4 +787,5 @@ TORCH_LIBRARY_IMPL(BS_NS, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("linear_packed", &linear_packed);
   m.impl("linear_packed_dp", &linear_packed_dp);
+  m.impl("linear_packed_fma", &linear_packed_fma);
 }

@@ -223,8 +223,9 @@ def test_packed_weights_give_the_plain_products(arch_model, dtype, layout, monke
 
 
 def _bf16_linear(path):
-    """The bf16 linear op of `path`: "amx" (linear_packed where the CPU has tiles) or
-    "avx512_bf16" (linear_packed_dp, the pair-product path whatever else the CPU has)."""
+    """The bf16 linear op of `path`: "amx" (linear_packed where the CPU has tiles),
+    "avx512_bf16" (linear_packed_dp, the pair-product path whatever else the CPU has) or
+    "fma" (linear_packed_fma, fp32 multiply-adds on the same packed weight)."""
     from batchspec.spec._build import load
     if _kernel_missing():
         pytest.skip("no C++ compiler for the CPU kernels")
@@ -235,10 +236,10 @@ def _bf16_linear(path):
         return ops, ops.linear_packed
     if not ops.linear_bf16_available():
         pytest.skip("no AVX512-BF16 on this CPU")
-    return ops, ops.linear_packed_dp
+    return ops, ops.linear_packed_fma if path == "fma" else ops.linear_packed_dp
 
 
-@pytest.mark.parametrize("path", ["amx", "avx512_bf16"])
+@pytest.mark.parametrize("path", ["amx", "avx512_bf16", "fma"])
 def test_bf16_linear_is_the_product_and_the_same_for_a_row_in_any_batch(path):
     """kernels/linear_cpu.cpp's bf16 paths (AMX tiles; AVX512-BF16 pair products, on the same
     packed weight): x . W^T (+ b) to within bf16's rounding of the fp32 product, for widths
@@ -281,6 +282,59 @@ def test_bf16_linear_paths_agree_where_a_cpu_has_both():
     tiles = ops.linear_packed(x, packed, 192, 256, None).float()
     pairs = ops.linear_packed_dp(x, packed, 192, 256, None).float()
     assert ((tiles - pairs).abs() <= tiles.abs() * 2 ** -7 + 1e-2).all()
+
+
+def test_bf16_pair_products_and_multiply_adds_agree():
+    """The two bf16 products without tiles on the same packed weight: fp32 multiply-adds of
+    each pair's second input, then its first, are VDPBF16PS's two products in its order
+    (Intel's definition), so on Intel CPUs they agree bit for bit on inputs without
+    denormals; elsewhere to within the order of fp32 sums. linear_packed takes one of them
+    for a whole process (linear_bf16_path), never one for some row counts and the other for
+    the rest."""
+    ops, _ = _bf16_linear("fma")
+    g = torch.Generator().manual_seed(2)
+    intel = "GenuineIntel" in open("/proc/cpuinfo").read()
+    for n, k in ((256, 256), (4096, 192), (37, 50), (100, 63)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(70, k, generator=g).to(torch.bfloat16)
+        packed = ops.pack_linear_weight(w)
+        fma = ops.linear_packed_fma(x, packed, k, n, None).float()
+        pairs = ops.linear_packed_dp(x, packed, k, n, None).float()
+        if intel:
+            assert torch.equal(fma, pairs), (n, k)
+        else:
+            assert ((fma - pairs).abs() <= pairs.abs() * 2 ** -7 + 1e-2).all(), (n, k)
+    # the choice follows the rates measured at the first call (where nothing forces one)
+    rates = ops.linear_bf16_rates()
+    assert len(rates) == 2 and min(rates) > 0
+    if not ops.linear_amx_available() and "BATCHSPEC_CPU_BF16_PRODUCT" not in os.environ:
+        assert ops.linear_bf16_path() == ("fma" if rates[0] >= 1.5 * rates[1] else "pairs")
+
+
+@pytest.mark.parametrize("choice", ["pairs", "fma"])
+def test_bf16_product_is_chosen_once_and_by_the_environment(choice):
+    """BATCHSPEC_CPU_BF16_PRODUCT chooses the product of bf16 weights without tiles, and
+    linear_packed gives what that product gives (a process with the other choice would
+    differ on AMD CPUs)."""
+    import subprocess
+    import sys
+    _, linear = _bf16_linear(choice)
+    from batchspec.spec._build import load
+    if load(False).linear_amx_available():
+        pytest.skip("AMX tiles take bf16 weights on this CPU")
+    code = ("import torch; from batchspec.spec._build import load; ops = load(False); "
+            "g = torch.Generator().manual_seed(3); "
+            "w = torch.randn(64, 96, generator=g).bfloat16(); "
+            "x = torch.randn(9, 96, generator=g).bfloat16(); p = ops.pack_linear_weight(w); "
+            "f = ops.linear_packed_fma if ops.linear_bf16_path() == 'fma' "
+            "else ops.linear_packed_dp; "
+            "print(ops.linear_bf16_path(), torch.equal(ops.linear_packed(x, p, 96, 64, None), "
+            "f(x, p, 96, 64, None)))")
+    env = dict(os.environ, BATCHSPEC_CPU_BF16_PRODUCT=choice)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == [choice, "True"]
 
 
 def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():

@@ -113,7 +113,9 @@ def weight_packer(dtype: torch.dtype, device: torch.device) -> tuple[str, Callab
       same op's pair-product path on the tiles' layout: the demo target's forwards 1.8x
       faster than with oneDNN at one row and 1.1x at 32 (benchmarks/bench_attention.py
       --compare linear), with no primitive made per row count (oneDNN's cost on ragged
-      steps: see the op), and the same for a row in any batch;
+      steps: see the op), and the same for a row in any batch; on CPUs whose VDPBF16PS is
+      the slower (measured at the op's first call: ops.linear_bf16_path), fp32
+      multiply-adds on the same layout;
     - "avx2": fp32 on CPUs with AVX2 and FMA, the same op's fp32 path, about 2x faster
       than oneDNN at 1-5 rows and 1.2-1.3x at 32-64, also the same for a row in any batch; a
       weight whose values are all bf16 numbers (a bf16 checkpoint) is stored in bf16 and read
