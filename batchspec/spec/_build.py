@@ -12,7 +12,7 @@ Two flavours of one bindings file (kernels/verify_ops.cpp):
 Builds are cached under $BATCHSPEC_CACHE/kernels (default ~/.cache/batchspec/kernels), one
 directory per torch version, hash of the kernel sources, compiler flags and place of the
 sources (build_dir), so checkouts never rebuild each other's builds. A first build says so on
-stderr (it takes ~15 s).
+stderr (it takes a minute or two on 2 cores: 85-89 s on a 2-core Xeon VM).
 `python -m batchspec.spec._build [--cuda]` builds ahead of time (e.g. in a Docker image).
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _compile(cuda: bool) -> None:
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print(f"batchspec: building the {flavour.upper()} verification kernel (first run, "
-              f"~15 s; cached in {build})...", file=sys.stderr, flush=True)
+              f"a minute or two on 2 cores; cached in {build})...", file=sys.stderr, flush=True)
     # torch's own build lock is a file that a builder killed mid-build (kill -9, OOM) leaves
     # behind, and every later build would wait on it forever. Builders take an flock first
     # (the kernel drops it when its holder dies), so a torch lock found under it is stale.
