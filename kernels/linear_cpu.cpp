@@ -542,7 +542,8 @@ at::Tensor linear_bf16_products(const at::Tensor& x, const at::Tensor& packed,
   if (M == 0) return o.y;
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(o.x.data_ptr());
   if (fma) {
-    // x widened into this thread's buffer (an allocation a call cost a one-row forward 2%)
+    // x widened into this thread's buffer, not a tensor allocated each call; it keeps the
+    // largest call's size (a prompt of 2,048 tokens 768 wide: 6 MB)
     thread_local std::vector<uint32_t> wide;
     wide.resize(size_t(M * K));
     uint32_t* xs32 = wide.data();
