@@ -230,8 +230,8 @@ BS_DP_FN void dp_block(const uint16_t* x, int64_t ldx, int64_t pairs, const uint
 // pair-packed bf16 weight (as dp_block reads it), into y as dp_block writes it. Each 64-byte
 // row of a block holds 16 features' weights for inputs 2j and 2j + 1 in one 32-bit lane each:
 // the lane shifted up 16 bits is the first's exact fp32 value, its upper half alone the
-// second's. Each value is one chain of fused multiply-adds over the inputs in order,
-// whatever MR and NP are; x's values are broadcast from memory inside the multiply-adds.
+// second's. Each value is one chain of fused multiply-adds over the input pairs in order, a
+// pair's second input before its first, whatever MR and NP are.
 template <int MR, int NP, typename Out>
 BS_DP_FN void fma_block(const float* x, int64_t ldx, int64_t K, const uint16_t* w,
                         int64_t block, const float* bias, Out* y, int64_t ldy, int64_t count) {
@@ -499,9 +499,8 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t in_
 
 #if defined(BS_HAVE_AVX512_PATH)
 // y of the operands o from x's rows as block_products reads them (ldx apart, depth pairs of
-// inputs or inputs)
-// and the pair-packed weight: groups of 4 feature blocks per task, about a million products
-// each, so that small calls stay on one thread
+// inputs or inputs) and the pair-packed weight: groups of 4 feature blocks per task, about a
+// million products each, so that small calls stay on one thread
 template <typename X>
 void run_groups(const X* xs, int64_t ldx, int64_t depth, const Operands& o,
                 const at::Tensor& packed, int64_t N, bool float_out) {
@@ -515,18 +514,18 @@ void run_groups(const X* xs, int64_t ldx, int64_t depth, const Operands& o,
       block_groups(xs, ldx, M, depth, wp, block, nb0, nb1, bp, o.y.data_ptr<float>(), N);
     else
       block_groups(xs, ldx, M, depth, wp, block, nb0, nb1, bp,
-                           reinterpret_cast<uint16_t*>(o.y.data_ptr()), N);
+                   reinterpret_cast<uint16_t*>(o.y.data_ptr()), N);
   });
 }
 #endif
 
 // x bf16 [..., K] . the bf16 packed weight (+ bias) on CPUs with AVX512-BF16 and without AMX
 // tiles (AMD Zen 4 and later, Intel Cooper Lake), the tiles' layout: pair products
-// (VDPBF16PS), or (fma) fp32 fused multiply-adds for CPUs whose VDPBF16PS runs at half the
-// rate of their 512-bit FMAs or less (some Intel Xeons: 42 against 87 billion multiply-adds
-// a second a core; bf16_product), x widened to fp32 once a call (exactly) and each pair of
-// the weight as it is read. Why not oneDNN there: its product is a primitive built for each row count and
-// weight shape (0.2-0.5 ms each), of which it caches 1,024. A job's steps have ragged row
+// (VDPBF16PS), or (fma) fp32 fused multiply-adds for CPUs whose VDPBF16PS multiply-adds at
+// two thirds of the rate of their 512-bit FMAs or less (some Intel Xeons: 42 against 87
+// billion a second a core; bf16_product), x widened to fp32 once a call (exactly) and each
+// pair of the weight as it is read. Why not oneDNN there: its product is a primitive built
+// for each row count and weight shape (0.2-0.5 ms each), of which it caches 1,024. A job's steps have ragged row
 // counts (verification windows of different lengths, prompts joining the batch): in a
 // 32-row suffix-draft job 6% of the products built one, 4% of the job's time, and the
 // demo target's weights over 268 row counts cost 1.7x this path's time and 630-730 MB of
@@ -548,8 +547,7 @@ at::Tensor linear_bf16_products(const at::Tensor& x, const at::Tensor& packed,
     wide.resize(size_t(M * K));
     uint32_t* xs32 = wide.data();
     for (int64_t i = 0; i < M * K; ++i) xs32[i] = uint32_t(xs[i]) << 16;
-    run_groups(reinterpret_cast<const float*>(xs32), K, K, o, packed, N,
-                             float_out);
+    run_groups(reinterpret_cast<const float*>(xs32), K, K, o, packed, N, float_out);
     return o.y;
   }
   // pairs of inputs are read as 32 bits: an odd width reads its rows from a copy with a zero
@@ -591,7 +589,8 @@ BS_DP_FN double chain_rate(Op op, double macs_per_op, int64_t iters) {
 }
 
 // {fp32 FMA, VDPBF16PS} multiply-adds a second on this core: the fastest of 7 runs each,
-// in turns (each run 0.1-0.4 ms), after a run of each that warms the 512-bit units
+// in turns (0.05-0.2 ms a run, about 2 ms in all), after a run of each that warms the
+// 512-bit units
 BS_DP_FN std::vector<double> measure_bf16_rates() {
   auto fma = [](__m512 c, __m512 a) BS_DP_FN_INLINE { return _mm512_fmadd_ps(a, a, c); };
   auto pairs = [](__m512 c, __m512 a) BS_DP_FN_INLINE {
