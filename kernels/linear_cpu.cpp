@@ -16,7 +16,7 @@
 //   on the same packed weight: VDPBF16PS multiplies a 64-byte row of a block (one input
 //   pair, 16 features) by the pair of a row of x broadcast, adding to 16 fp32 sums; up to 6
 //   rows by 4 blocks at a time (linear_bf16_products, below, says why not oneDNN). Where the
-//   CPU's VDPBF16PS is the slower product (bf16_product measures it), fp32 fused
+//   CPU's VDPBF16PS is the slower product (bf16_by_fma measures it), fp32 fused
 //   multiply-adds of each pair widened, in VDPBF16PS's order, on the same packed weight.
 //
 // - fp32 on CPUs with AVX2 and FMA (what the CPU's dtype is where it has no bf16
@@ -523,7 +523,7 @@ void run_groups(const X* xs, int64_t ldx, int64_t depth, const Operands& o,
 // tiles (AMD Zen 4 and later, Intel Cooper Lake), the tiles' layout: pair products
 // (VDPBF16PS), or (fma) fp32 fused multiply-adds for CPUs whose VDPBF16PS multiply-adds at
 // two thirds of the rate of their 512-bit FMAs or less (some Intel Xeons: 42 against 87
-// billion a second a core; bf16_product), x widened to fp32 once a call (exactly) and each
+// billion a second a core; bf16_by_fma), x widened to fp32 once a call (exactly) and each
 // pair of the weight as it is read. Why not oneDNN there: its product is a primitive built
 // for each row count and weight shape (0.2-0.5 ms each), of which it caches 1,024. A job's steps have ragged row
 // counts (verification windows of different lengths, prompts joining the batch): in a
@@ -619,20 +619,23 @@ const std::vector<double>& bf16_rates() {
   return rates;
 }
 
-// Which product the bf16 packed weight takes here without AMX tiles: "fma" where this CPU's
-// 512-bit FMAs multiply-add at 1.5x or more the rate of its VDPBF16PS (bf16_rates: about 2x
-// on some Intel Xeons, 0.5x on AMD Zen 4; the fma path's widening of the weight costs about
-// a sixth of its multiply-adds), else "pairs". BATCHSPEC_CPU_BF16_PRODUCT=pairs or fma
-// chooses.
-const char* bf16_product() {
-  static const char* choice = [] {
+// Whether the bf16 packed weight takes fp32 multiply-adds here without AMX tiles ("fma"),
+// not pair products ("pairs"): where this CPU's 512-bit FMAs multiply-add at 1.5x or more
+// the rate of its VDPBF16PS (bf16_rates: about 2x on some Intel Xeons, 0.5x on AMD Zen 4;
+// the fma path's widening of the weight costs about a sixth of its multiply-adds).
+// BATCHSPEC_CPU_BF16_PRODUCT=pairs or fma chooses; any other value is an error.
+bool bf16_by_fma() {
+  static const bool fma = [] {
     const char* env = std::getenv("BATCHSPEC_CPU_BF16_PRODUCT");
-    if (env != nullptr && std::strcmp(env, "fma") == 0) return "fma";
-    if (env != nullptr && std::strcmp(env, "pairs") == 0) return "pairs";
+    if (env != nullptr && *env != '\0') {
+      TORCH_CHECK(std::strcmp(env, "fma") == 0 || std::strcmp(env, "pairs") == 0,
+                  "BATCHSPEC_CPU_BF16_PRODUCT must be pairs or fma, got '", env, "'");
+      return std::strcmp(env, "fma") == 0;
+    }
     const std::vector<double>& r = bf16_rates();
-    return !r.empty() && r[0] >= 1.5 * r[1] ? "fma" : "pairs";
+    return !r.empty() && r[0] >= 1.5 * r[1];
   }();
-  return choice;
+  return fma;
 }
 
 #if defined(BS_HAVE_AMX_TILES)
@@ -699,8 +702,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
 #if defined(BS_HAVE_AMX_TILES)
   if (bs::amx_permitted()) return linear_amx(x, packed, out_features, bias, float_out);
 #endif
-  return linear_bf16_products(x, packed, out_features, bias, float_out,
-                              std::strcmp(bf16_product(), "fma") == 0);
+  return linear_bf16_products(x, packed, out_features, bias, float_out, bf16_by_fma());
 }
 
 // the AVX512-BF16 path whatever the CPU also has (tests compare it with the tiles)
@@ -727,7 +729,7 @@ std::string linear_bf16_path() {
   if (bs::amx_permitted()) return "amx";
 #endif
 #if defined(BS_HAVE_AVX512_PATH)
-  if (bs::avx512_bf16_usable()) return bf16_product();
+  if (bs::avx512_bf16_usable()) return bf16_by_fma() ? "fma" : "pairs";
 #endif
   return "";
 }

@@ -314,27 +314,55 @@ def test_bf16_pair_products_and_multiply_adds_agree():
 @pytest.mark.parametrize("choice", ["pairs", "fma"])
 def test_bf16_product_is_chosen_once_and_by_the_environment(choice):
     """BATCHSPEC_CPU_BF16_PRODUCT chooses the product of bf16 weights without tiles, and
-    linear_packed gives what that product gives (a process with the other choice would
-    differ on AMD CPUs)."""
+    linear_packed gives what that product gives and not what the other gives. The input tells
+    them apart: a denormal bf16 input times 2^100, which VDPBF16PS takes as zero on Intel CPUs
+    and the multiply-adds do not (on other inputs Intel's two products agree bit for bit)."""
     import subprocess
     import sys
-    _, linear = _bf16_linear(choice)
+    _bf16_linear(choice)
     from batchspec.spec._build import load
     if load(False).linear_amx_available():
         pytest.skip("AMX tiles take bf16 weights on this CPU")
     code = ("import torch; from batchspec.spec._build import load; ops = load(False); "
-            "g = torch.Generator().manual_seed(3); "
-            "w = torch.randn(64, 96, generator=g).bfloat16(); "
-            "x = torch.randn(9, 96, generator=g).bfloat16(); p = ops.pack_linear_weight(w); "
-            "f = ops.linear_packed_fma if ops.linear_bf16_path() == 'fma' "
-            "else ops.linear_packed_dp; "
-            "print(ops.linear_bf16_path(), torch.equal(ops.linear_packed(x, p, 96, 64, None), "
-            "f(x, p, 96, 64, None)))")
+            "w = torch.full((16, 32), 2.0 ** 100).bfloat16(); p = ops.pack_linear_weight(w); "
+            "x = torch.zeros(2, 32); x[:, 0] = 1e-39; x[1, 1] = 1.0; x = x.bfloat16(); "
+            "y = ops.linear_packed(x, p, 32, 16, None); "
+            "f = ops.linear_packed_fma(x, p, 32, 16, None); "
+            "d = ops.linear_packed_dp(x, p, 32, 16, None); "
+            "print(ops.linear_bf16_path(), torch.equal(y, f), torch.equal(y, d), "
+            "torch.equal(f, d))")
     env = dict(os.environ, BATCHSPEC_CPU_BF16_PRODUCT=choice)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-2:] == [choice, "True"]
+    path, is_fma, is_pairs, same = out.stdout.split()[-4:]
+    assert path == choice
+    if same == "True":      # a CPU whose VDPBF16PS keeps denormal inputs: either product
+        assert (is_fma, is_pairs) == ("True", "True")
+    else:
+        assert (is_fma, is_pairs) == (("True", "False") if choice == "fma" else ("False", "True"))
+    # on Intel CPUs (VDPBF16PS takes denormal inputs as zero) the input tells them apart
+    if "GenuineIntel" in open("/proc/cpuinfo").read():
+        assert same == "False"
+
+
+def test_a_bf16_product_the_environment_names_wrong_is_an_error_that_says_so():
+    """BATCHSPEC_CPU_BF16_PRODUCT=fmaa is not taken for either product: the op says what the
+    variable must be (and a model then warns with that line and runs without packed
+    weights, batchspec.models.llama._prepack_works)."""
+    import subprocess
+    import sys
+    _bf16_linear("fma")
+    code = ("from batchspec.spec._build import load; ops = load(False)\n"
+            "try:\n    print(ops.linear_bf16_path())\nexcept RuntimeError as e:\n"
+            "    print(str(e).splitlines()[0])")
+    env = dict(os.environ, BATCHSPEC_CPU_BF16_PRODUCT="fmaa")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    if "amx" in out.stdout.split():
+        pytest.skip("AMX tiles take bf16 weights on this CPU")
+    assert "BATCHSPEC_CPU_BF16_PRODUCT must be pairs or fma, got 'fmaa'" in out.stdout
 
 
 def test_avx2_linear_is_the_product_and_the_same_for_a_row_in_any_batch():
